@@ -1,0 +1,44 @@
+# Every target works on a fresh machine by itself: it creates .venv when missing and
+# re-installs only when pyproject.toml or a file in ci/ that pins the install changed.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+INSTALL_INPUTS := pyproject.toml ci/constraints.txt ci/sglang-cpu-requirements.txt
+SGLANG_VERSION := 0.5.23
+# Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k units -x"`.
+PYTEST_ARGS ?=
+
+.PHONY: setup test typecheck lint check clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; SGLang $(SGLANG_VERSION) needs Python 3.11 (set PYTHON=...)" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+# SGLang's full dependency set pulls CUDA-only kernels, so it is installed without deps
+# next to the import set its storage modules need (ci/sglang-cpu-requirements.txt).
+# Every step is constrained by SGLang's own pins (ci/constraints.txt), so torch never moves.
+$(STAMP): $(INSTALL_INPUTS) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -c ci/constraints.txt \
+		-r ci/sglang-cpu-requirements.txt -e '.[dev,mooncake-cpu]'
+	$(BIN)/python -m pip install --quiet -c ci/constraints.txt --no-deps sglang==$(SGLANG_VERSION)
+	@touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
+
+check: typecheck lint test
+
+clean:
+	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache
