@@ -71,7 +71,8 @@ def _fail(
 ) -> typing.NoReturn:
     raise ConfigError(
         owner=type(instance).__name__,
-        field=attribute.name,
+        # The alias is the keyword users pass ("secret" for a private "_secret" field).
+        field=attribute.alias or attribute.name,
         value=value,
         reason=reason,
         allowed=allowed,
@@ -99,14 +100,16 @@ def instance_of(*kinds: type) -> Validator:
     return check
 
 
+def _bound(value: float) -> str:
+    # Exact: ":g" would print 1000001 as 1e+06 and state a rule the check does not apply.
+    return str(value) if isinstance(value, int) else repr(value)
+
+
 def _range_text(low: float | None, high: float | None, low_exclusive: bool) -> str:
-    if low is not None and high is not None:
-        return f"{'>' if low_exclusive else '>='} {low:g} and <= {high:g}"
-    if low is not None:
-        return f"{'>' if low_exclusive else '>='} {low:g}"
-    if high is not None:
-        return f"<= {high:g}"
-    return "any value"
+    low_text = f"{'>' if low_exclusive else '>='} {_bound(low)}" if low is not None else None
+    high_text = f"<= {_bound(high)}" if high is not None else None
+    parts = [part for part in (low_text, high_text) if part is not None]
+    return " and ".join(parts) if parts else "any value"
 
 
 def int_in_range(low: int | None = None, high: int | None = None) -> Validator:
@@ -137,7 +140,8 @@ def number_in_range(
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float):
             _fail(instance, attribute, value, f"must be a number {rule}")
-        if not math.isfinite(value):
+        # Ints are always finite, and too large ones overflow math.isfinite.
+        if isinstance(value, float) and not math.isfinite(value):
             _fail(instance, attribute, value, "must be finite")
         below = low is not None and (value <= low if low_exclusive else value < low)
         if below or (high is not None and value > high):
@@ -166,11 +170,11 @@ power_of_two: Final[Validator] = _power_of_two
 
 
 def one_of(*choices: object) -> Validator:
-    """Require one of ``choices`` (compared with ``==``)."""
+    """Require one of ``choices``: equal to it and of the same type (``True`` is not ``1``)."""
     allowed = ", ".join(repr(c) for c in choices)
 
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value not in choices:
+        if not any(value == c and type(value) is type(c) for c in choices):
             _fail(instance, attribute, value, "is not a supported choice", allowed=allowed)
 
     return check

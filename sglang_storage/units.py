@@ -31,6 +31,8 @@ UNITS: Final[dict[str, int]] = {
 _ALLOWED: Final = "an integer byte count or a number followed by one of " + ", ".join(UNITS)
 _PATTERN: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 _BINARY_STEPS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
+# Far above any real size (1 TiB has 13 digits), far below int()'s 4300-digit limit.
+_MAX_TEXT: Final = 64
 
 
 def parse_bytes(value: int | str, *, owner: str = "size", field: str = "value") -> int:
@@ -55,7 +57,7 @@ def parse_bytes(value: int | str, *, owner: str = "size", field: str = "value") 
         if value < 0:
             raise ConfigError(owner=owner, field=field, value=value, reason="must be >= 0")
         return value
-    match = _PATTERN.fullmatch(value)
+    match = _PATTERN.fullmatch(value) if len(value) <= _MAX_TEXT else None
     if match is None:
         raise ConfigError(
             owner=owner, field=field, value=value, reason="is not a size", allowed=_ALLOWED
@@ -93,6 +95,9 @@ def format_bytes(count: int) -> str:
     """
     step = 0
     while step + 1 < len(_BINARY_STEPS) and abs(count) >= 1024 ** (step + 1):
+        step += 1
+    # Rounding can reach the next unit (2**20 - 1 bytes is "1024.00 KiB"); move up then.
+    if step + 1 < len(_BINARY_STEPS) and round(abs(count) / 1024**step, 2) >= 1024:
         step += 1
     scale = 1024**step
     unit = _BINARY_STEPS[step]
