@@ -6,7 +6,6 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 INSTALL_INPUTS := pyproject.toml ci/constraints.txt ci/sglang-cpu-requirements.txt
-SGLANG_VERSION := 0.5.23
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k units -x"`.
 PYTEST_ARGS ?=
 
@@ -15,16 +14,17 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 $(BIN)/python:
-	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; SGLang $(SGLANG_VERSION) needs Python 3.11 (set PYTHON=...)" >&2; exit 1; }
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; the pinned SGLang and torch wheels need Python 3.11 (set PYTHON=...)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
 # SGLang's full dependency set pulls CUDA-only kernels, so it is installed without deps
 # next to the import set its storage modules need (ci/sglang-cpu-requirements.txt).
-# Every step is constrained by SGLang's own pins (ci/constraints.txt), so torch never moves.
+# Every step is constrained by SGLang's own pins (ci/constraints.txt, which also pins
+# sglang itself), so torch never moves.
 $(STAMP): $(INSTALL_INPUTS) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -c ci/constraints.txt \
 		-r ci/sglang-cpu-requirements.txt -e '.[dev,mooncake-cpu]'
-	$(BIN)/python -m pip install --quiet -c ci/constraints.txt --no-deps sglang==$(SGLANG_VERSION)
+	$(BIN)/python -m pip install --quiet -c ci/constraints.txt --no-deps sglang
 	@touch $@
 
 test: $(STAMP)
