@@ -33,10 +33,13 @@ test: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# All three run even when one fails, so one run reports every problem.
 lint: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/lint-imports --no-cache
+	@status=0; \
+	echo "ruff check"; $(BIN)/ruff check . || status=1; \
+	echo "ruff format --check"; $(BIN)/ruff format --check . || status=1; \
+	echo "lint-imports"; $(BIN)/lint-imports --no-cache || status=1; \
+	exit $$status
 
 check: typecheck lint test
 

@@ -22,10 +22,16 @@ import os
 from collections.abc import Callable
 
 import pytest
+from hypothesis import settings
 from sglang_storage_adapters import SUPPORTED_SGLANG_VERSION as SGLANG_VERSION
 from support.mooncake import mooncake_master_path
 
 pytest_plugins = ["pytester"]
+
+# No per-example deadline: CI machines are shared and noisy, and a slow example is not a
+# wrong one. Property tests bound their own input sizes instead.
+settings.register_profile("sglang-storage", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "sglang-storage"))
 
 REQUIRE_ENV = "SGLANG_STORAGE_REQUIRE"
 
