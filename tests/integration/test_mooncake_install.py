@@ -66,7 +66,8 @@ def test_client_process_stores_and_reads_back_through_a_loopback_master(tmp_path
 
 def test_master_stops_on_exit(tmp_path: Path) -> None:
     master = MooncakeMaster(tmp_path)
-    assert not master.running
+    states = [master.running]
     with master:
-        assert master.running
-    assert not master.running
+        states.append(master.running)
+    states.append(master.running)
+    assert states == [False, True, False]

@@ -359,7 +359,7 @@ def test_instances_are_frozen() -> None:
 
 def test_instances_are_keyword_only() -> None:
     with pytest.raises(TypeError):
-        Counter(3)  # type: ignore[misc]
+        Counter(3)  # type: ignore[call-arg]
 
 
 # ---------------------------------------------------------------- build_config: options

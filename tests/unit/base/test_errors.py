@@ -129,7 +129,7 @@ def test_config_error_empty_allowed_adds_no_hint() -> None:
 
 def test_config_error_fields_are_keyword_only() -> None:
     with pytest.raises(TypeError):
-        ConfigError("C", "f", "is bad")  # type: ignore[misc]
+        ConfigError("C", "f", "is bad")  # type: ignore[call-arg]
 
 
 def test_renamed_owner_and_field() -> None:
