@@ -294,7 +294,12 @@ def _coerce(value: object, declared: Any, *, owner: str, field: str) -> object:
     if attrs.has(declared) and isinstance(value, Mapping):
         return build_config(declared, value, owner=f"{owner}.{field}")
     if declared is float and _is_int(value):
-        return float(typing.cast(int, value))
+        try:
+            return float(typing.cast(int, value))
+        except OverflowError:
+            raise ConfigError(
+                owner=owner, field=field, value=value, reason="is too large for a float"
+            ) from None
     if declared is Path and isinstance(value, str):
         return Path(value)
     checked = declared in (int, float, str, bool, Path) or attrs.has(declared)

@@ -344,6 +344,12 @@ def test_number_validator_on_huge_int_does_not_escape_config_error() -> None:
         non_negative_number(Validated(), attribute, 10**400)
 
 
+def test_build_int_too_large_for_a_float_field_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as error:
+        build_config(Typed, {"ratio": 10**400})
+    assert (error.value.field, error.value.reason) == ("ratio", "is too large for a float")
+
+
 # ---------------------------------------------------------------- frozen
 
 
