@@ -49,6 +49,7 @@ __all__ = [
     "positive_int",
     "positive_number",
     "power_of_two",
+    "require_int",
     "tuple_of",
 ]
 
@@ -214,6 +215,16 @@ def tuple_of(validator: Validator) -> Validator:
                 raise error.renamed(field=f"{attribute.name}[{index}]") from None
 
     return check
+
+
+def require_int(value: object, *, owner: str, field: str, low: int = 0) -> int:
+    """Return ``value`` if it is an ``int`` (not ``bool``) >= ``low``, else raise ConfigError.
+
+    For checking call arguments (counts, sizes) where there is no attrs field.
+    """
+    if not _is_int(value) or typing.cast(int, value) < low:
+        raise ConfigError(owner=owner, field=field, value=value, reason=f"must be an int >= {low}")
+    return typing.cast(int, value)
 
 
 def build_config(cls: type[T], data: Mapping[str, object], *, owner: str | None = None) -> T:

@@ -15,6 +15,8 @@ of the failure as attributes, so callers branch on type and fields, never on mes
 - :class:`OperationTimeoutError` - an operation did not finish within its deadline. Also a
   ``TimeoutError``.
 - :class:`OperationCancelledError` - an operation was cancelled before it finished.
+- :class:`StateError` - an operation does not fit the current state of what it acts on
+  (freeing a slot twice, freeing a slot an in-flight transfer pins, an unknown key).
 
 Lower-level exceptions (``OSError``, vendor error codes) are translated into these at the
 layer that meets them; layers above never see them. All errors pickle with their fields,
@@ -32,6 +34,7 @@ __all__ = [
     "CorruptObjectError",
     "OperationCancelledError",
     "OperationTimeoutError",
+    "StateError",
     "StorageError",
 ]
 
@@ -198,6 +201,23 @@ class OperationCancelledError(StorageError):
         self.operation = operation
         self.reason = reason
         super().__init__(f"{operation} was cancelled: {reason}")
+
+
+class StateError(StorageError):
+    """An operation does not fit the current state of the thing it acts on.
+
+    Nothing was changed: the operation is refused as a whole.
+
+    Args:
+        subject: What was acted on ("SlotAllocator.free", "LRU eviction policy").
+        reason: Which state rule the operation breaks, naming the offending items
+            ("slots [3, 9] are already free").
+    """
+
+    def __init__(self, *, subject: str, reason: str) -> None:
+        self.subject = subject
+        self.reason = reason
+        super().__init__(f"{subject}: {reason}")
 
 
 def _amount(quantity: int, unit: str) -> str:

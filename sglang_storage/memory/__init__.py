@@ -2,6 +2,86 @@
 
 Owns the process-wide host memory budget with per-kind reservations, pinned (CUDA) and
 plain (CPU-only) allocators behind one API, the page/slot allocator with pin counts, and
-the typed host pools (KV in SGLang's layouts, embeddings, records). Imports only the
-shared base (:mod:`sglang_storage.errors`, ``units``, ``config``).
+the typed host pools. Imports only the shared base (:mod:`sglang_storage.errors`,
+``units``, ``config``, ``core``). The pieces, lowest first:
+
+- :class:`HostMemoryBudget` (:mod:`.budget`) - one budget, reservations per
+  :class:`~sglang_storage.core.DataKind`, borrowing of unreserved space, refusal at start-up
+  of a budget the machine cannot hold.
+- :class:`HostMemory` (:mod:`.host`) - the budget plus a plain or page-locked allocator;
+  every pool takes its buffer from here.
+- :class:`SlotAllocator` (:mod:`.slots`) and :class:`ExtentAllocator` (:mod:`.extents`) -
+  fixed slots with pin counts, and best-fit runs with coalescing.
+- Pools: :class:`KVHostPool` (SGLang's KV layouts, :mod:`.layouts`), :class:`EmbeddingPool`,
+  :class:`RecordPool`, :class:`BlobPool`; each reports :class:`PoolStats`.
 """
+
+from sglang_storage.memory.budget import (
+    BudgetConfig,
+    BudgetStats,
+    HostMemoryBudget,
+    KindUsage,
+    Lease,
+    MemoryFacts,
+    read_memory_facts,
+)
+from sglang_storage.memory.embedding import EmbeddingEntry, EmbeddingPool, EmbeddingPoolConfig
+from sglang_storage.memory.extents import ExtentAllocator, Run
+from sglang_storage.memory.host import (
+    HostAllocator,
+    HostBuffer,
+    HostMemory,
+    PinnedAllocator,
+    Pinning,
+    PlainAllocator,
+    cuda_available,
+    make_allocator,
+)
+from sglang_storage.memory.kv import KVHostPool, KVLayerView
+from sglang_storage.memory.layouts import KV_DTYPES, Attention, KVGeometry, KVLayout
+from sglang_storage.memory.records import (
+    Blob,
+    BlobPool,
+    BlobPoolConfig,
+    RecordPool,
+    RecordPoolConfig,
+)
+from sglang_storage.memory.slots import SlotAllocator, SlotStats
+from sglang_storage.memory.stats import PoolStats
+
+__all__ = [
+    "KV_DTYPES",
+    "Attention",
+    "Blob",
+    "BlobPool",
+    "BlobPoolConfig",
+    "BudgetConfig",
+    "BudgetStats",
+    "EmbeddingEntry",
+    "EmbeddingPool",
+    "EmbeddingPoolConfig",
+    "ExtentAllocator",
+    "HostAllocator",
+    "HostBuffer",
+    "HostMemory",
+    "HostMemoryBudget",
+    "KVGeometry",
+    "KVHostPool",
+    "KVLayerView",
+    "KVLayout",
+    "KindUsage",
+    "Lease",
+    "MemoryFacts",
+    "PinnedAllocator",
+    "Pinning",
+    "PlainAllocator",
+    "PoolStats",
+    "RecordPool",
+    "RecordPoolConfig",
+    "Run",
+    "SlotAllocator",
+    "SlotStats",
+    "cuda_available",
+    "make_allocator",
+    "read_memory_facts",
+]

@@ -12,6 +12,7 @@ from sglang_storage.errors import (
     CorruptObjectError,
     OperationCancelledError,
     OperationTimeoutError,
+    StateError,
     StorageError,
 )
 
@@ -30,6 +31,7 @@ ALL_ERRORS: list[StorageError] = [
     CorruptObjectError(key="abc/0001", reason="checksum mismatch"),
     OperationTimeoutError(operation="batch_get of 64 pages", timeout_s=2.5),
     OperationCancelledError(operation="prefetch", reason="request aborted"),
+    StateError(subject="SlotAllocator.free", reason="slots [3] are already free"),
 ]
 ERROR_IDS = [f"{type(e).__name__}-{i}" for i, e in enumerate(ALL_ERRORS)]
 
@@ -46,6 +48,7 @@ ERROR_IDS = [f"{type(e).__name__}-{i}" for i, e in enumerate(ALL_ERRORS)]
         CorruptObjectError,
         OperationTimeoutError,
         OperationCancelledError,
+        StateError,
     ],
 )
 def test_every_error_is_a_storage_error(cls: type[StorageError]) -> None:
@@ -70,7 +73,14 @@ def test_timeout_error_is_a_timeout_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "cls", [CapacityError, BackendUnavailableError, CorruptObjectError, OperationCancelledError]
+    "cls",
+    [
+        CapacityError,
+        BackendUnavailableError,
+        CorruptObjectError,
+        OperationCancelledError,
+        StateError,
+    ],
 )
 def test_other_errors_are_not_value_or_timeout_errors(cls: type[StorageError]) -> None:
     assert not issubclass(cls, ValueError)
@@ -242,6 +252,13 @@ def test_operation_cancelled_error() -> None:
     assert error.operation == "prefetch of 8 pages"
     assert error.reason == "request aborted"
     assert str(error) == "prefetch of 8 pages was cancelled: request aborted"
+
+
+def test_state_error() -> None:
+    error = StateError(subject="SlotAllocator.free", reason="slots [3, 9] are already free")
+    assert error.subject == "SlotAllocator.free"
+    assert error.reason == "slots [3, 9] are already free"
+    assert str(error) == "SlotAllocator.free: slots [3, 9] are already free"
 
 
 # ---------------------------------------------------------------- pickle / deepcopy

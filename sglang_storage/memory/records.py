@@ -1,0 +1,442 @@
+"""Record pools (fixed-shape rows) and blob pools (large immutable byte blocks).
+
+Contract, one line per primitive:
+
+- :class:`RecordPool` - ``capacity`` records of one shape and element type (RL top-k rows,
+  rope/position info): ``alloc(n)`` / ``free`` / ``pin`` / ``unpin`` slots,
+  ``write(slots, data)``, ``read(slots)``, ``records`` (all of them as one tensor) and
+  ``device_view()``: on CUDA, the same page-locked memory as a CUDA tensor (UVA), so kernels
+  read records in place without a copy; a clear error without CUDA or page-locked memory.
+- :class:`BlobPool` - named blobs of any size in one buffer (expert weight shards):
+  ``put(key, data)`` copies once into a contiguous, aligned block; ``view(key)`` is a
+  zero-copy view; ``remove`` / ``pin`` / ``unpin``; a blob is never split, and a request that
+  only fragmented space could hold fails with a CapacityError saying so.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Final
+
+import attrs
+import torch
+
+from sglang_storage.config import BYTES, instance_of, non_empty_str, positive_int, tuple_of
+from sglang_storage.core import DataKind
+from sglang_storage.errors import BackendUnavailableError, ConfigError, StateError
+from sglang_storage.memory.extents import ExtentAllocator, Run
+from sglang_storage.memory.host import HostBuffer, HostMemory, cuda_available
+from sglang_storage.memory.slots import SlotAllocator, as_slot_tensor
+from sglang_storage.memory.stats import PoolStats
+
+__all__ = ["Blob", "BlobPool", "BlobPoolConfig", "RecordPool", "RecordPoolConfig"]
+
+BLOB_ALIGNMENT: Final = 4096
+"""Blobs start on 4 KiB boundaries (O_DIRECT and DMA friendly)."""
+
+
+def _any_dtype(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(
+            owner=type(instance).__name__,
+            field=attribute.name,
+            value=value,
+            reason="must be a torch.dtype",
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RecordPoolConfig:
+    """Shape, element type and number of records."""
+
+    shape: tuple[int, ...] = attrs.field(validator=tuple_of(positive_int))
+    """The shape of one record, e.g. ``(top_k, 2)``."""
+    dtype: torch.dtype = attrs.field(validator=_any_dtype)
+    capacity: int = attrs.field(validator=positive_int)
+    """Number of records."""
+    kind: DataKind = attrs.field(default=DataKind.RECORD, validator=instance_of(DataKind))
+    """The budget the pool is charged to."""
+    label: str = attrs.field(default="record pool", validator=non_empty_str)
+
+    @property
+    def record_numel(self) -> int:
+        """Elements per record."""
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes per record."""
+        return self.record_numel * self.dtype.itemsize
+
+
+class _CudaArray:
+    """Describes host memory to torch through ``__cuda_array_interface__`` (UVA)."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+_TYPESTR: Final[dict[torch.dtype, str]] = {
+    torch.float32: "<f4",
+    torch.float16: "<f2",
+    torch.float64: "<f8",
+    torch.int64: "<i8",
+    torch.int32: "<i4",
+    torch.int16: "<i2",
+    torch.int8: "|i1",
+    torch.uint8: "|u1",
+    torch.bool: "|b1",
+}
+
+
+class RecordPool:
+    """Fixed-shape records in one budgeted host buffer, allocated by slot with pins.
+
+    Args:
+        config: Record shape, element type and count.
+        memory: Where the buffer comes from.
+
+    Raises:
+        CapacityError: the budget has no room for the buffer.
+    """
+
+    def __init__(self, config: RecordPoolConfig, memory: HostMemory) -> None:
+        self._config = config
+        self._memory = memory
+        self._buffer: HostBuffer | None = memory.allocate(
+            config.kind, config.capacity * config.record_bytes, label=config.label
+        )
+        self._records = self._buffer.tensor.view(config.dtype).view(config.capacity, *config.shape)
+        self._slots = SlotAllocator(config.capacity, name=f"{config.label} slots")
+
+    @property
+    def config(self) -> RecordPoolConfig:
+        """The pool's configuration."""
+        return self._config
+
+    @property
+    def records(self) -> torch.Tensor:
+        """All records, ``(capacity, *shape)``, a view of the pool's memory."""
+        self._check_open()
+        return self._records
+
+    @property
+    def slots(self) -> SlotAllocator:
+        """The slot allocator (counts and pins)."""
+        return self._slots
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """Allocate ``n`` record slots; see :meth:`SlotAllocator.alloc`."""
+        self._check_open()
+        return self._slots.alloc(n)
+
+    def free(self, slots: torch.Tensor | Sequence[int]) -> None:
+        """Free record slots; see :meth:`SlotAllocator.free`."""
+        self._slots.free(slots)
+
+    def pin(self, slots: torch.Tensor | Sequence[int]) -> None:
+        """Pin record slots for an in-flight transfer."""
+        self._slots.pin(slots)
+
+    def unpin(self, slots: torch.Tensor | Sequence[int]) -> None:
+        """Drop one pin per slot."""
+        self._slots.unpin(slots)
+
+    @contextmanager
+    def pinned(self, slots: torch.Tensor | Sequence[int]) -> Iterator[torch.Tensor]:
+        """Pin ``slots`` for a ``with`` block."""
+        with self._slots.pinned(slots) as index:
+            yield index
+
+    def write(self, slots: torch.Tensor | Sequence[int], data: torch.Tensor) -> None:
+        """Write ``data`` ``(n, *shape)`` into allocated ``slots``.
+
+        Raises:
+            ConfigError: shape or element type mismatch.
+            StateError: a slot is not allocated.
+        """
+        index = self._allocated(slots, "write")
+        c = self._config
+        if data.dtype != c.dtype or tuple(data.shape) != (index.numel(), *c.shape):
+            raise ConfigError(
+                owner=f"{c.label}.write",
+                field="data",
+                value=f"{data.dtype} tensor of shape {tuple(data.shape)}",
+                reason=f"must be a {c.dtype} tensor of shape {(index.numel(), *c.shape)}",
+            )
+        self._records.index_copy_(0, index, data.to("cpu"))
+
+    def read(self, slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """A copy of the records in allocated ``slots``, ``(n, *shape)``.
+
+        Raises:
+            StateError: a slot is not allocated.
+        """
+        index = self._allocated(slots, "read")
+        return self._records.index_select(0, index)
+
+    def device_view(self, device: torch.device | str = "cuda") -> torch.Tensor:
+        """All records as a CUDA tensor over the same host memory (UVA), without a copy.
+
+        Raises:
+            BackendUnavailableError: CUDA is not available.
+            ConfigError: the pool's memory is not page-locked, or the element type has no
+                CUDA array interface code.
+        """
+        buffer = self._check_open()
+        if not cuda_available():
+            raise BackendUnavailableError(
+                backend="UVA record view",
+                reason=f"CUDA is not available (torch {torch.__version__}); "
+                "read records with read() instead",
+            )
+        if not buffer.page_locked:
+            raise ConfigError(
+                owner=f"{self._config.label}.device_view",
+                field="pinning",
+                value="never",
+                reason="a device view needs page-locked memory",
+                allowed="auto, always",
+            )
+        typestr = _TYPESTR.get(self._config.dtype)
+        if typestr is None:
+            raise ConfigError(
+                owner=f"{self._config.label}.device_view",
+                field="dtype",
+                value=str(self._config.dtype),
+                reason="has no CUDA array interface type code",
+                allowed=", ".join(str(d) for d in _TYPESTR),
+            )
+        shape = (self._config.capacity, *self._config.shape)
+        return torch.as_tensor(_CudaArray(buffer.address, shape, typestr), device=device)
+
+    def stats(self) -> PoolStats:
+        """Bytes used, free and pinned."""
+        counts = self._slots.stats()
+        size = self._config.record_bytes
+        return PoolStats(
+            kind=self._config.kind,
+            label=self._config.label,
+            capacity_bytes=counts.capacity * size,
+            used_bytes=counts.used * size,
+            free_bytes=counts.free * size,
+            pinned_bytes=counts.pinned * size,
+            page_locked=self._memory.page_locked,
+        )
+
+    def close(self) -> None:
+        """Give the buffer back to the budget.
+
+        Raises:
+            StateError: slots are pinned by in-flight transfers.
+        """
+        if self._buffer is None:
+            return
+        if self._slots.stats().pinned:
+            raise StateError(
+                subject=f"{self._config.label} close", reason="slots are pinned by transfers"
+            )
+        buffer, self._buffer = self._buffer, None
+        self._memory.release(buffer)
+
+    def _check_open(self) -> HostBuffer:
+        if self._buffer is None:
+            raise StateError(subject=self._config.label, reason="is closed")
+        return self._buffer
+
+    def _allocated(self, slots: torch.Tensor | Sequence[int], op: str) -> torch.Tensor:
+        self._check_open()
+        index = as_slot_tensor(slots, owner=f"{self._config.label}.{op}")
+        allocated = self._slots.is_allocated(index)
+        if not bool(allocated.all()):
+            raise StateError(
+                subject=f"{self._config.label}.{op}",
+                reason=f"slots {index[~allocated][:8].tolist()} are not allocated",
+            )
+        return index
+
+
+@attrs.frozen(kw_only=True)
+class BlobPoolConfig:
+    """Size of a blob pool."""
+
+    capacity: int = attrs.field(metadata=BYTES, validator=positive_int)
+    """Bytes of the pool (rounded down to 4 KiB)."""
+    kind: DataKind = attrs.field(default=DataKind.WEIGHT, validator=instance_of(DataKind))
+    """The budget the pool is charged to."""
+    label: str = attrs.field(default="blob pool", validator=non_empty_str)
+
+    def __attrs_post_init__(self) -> None:
+        if self.capacity < BLOB_ALIGNMENT:
+            raise ConfigError(
+                owner="BlobPoolConfig",
+                field="capacity",
+                value=self.capacity,
+                reason=f"must be at least {BLOB_ALIGNMENT} bytes",
+            )
+
+
+@attrs.frozen(kw_only=True)
+class Blob:
+    """Where one blob lives."""
+
+    key: str
+    nbytes: int
+    """The blob's size (its block is rounded up to 4 KiB)."""
+    run: Run
+    """The 4 KiB blocks it occupies."""
+
+
+class BlobPool:
+    """Large immutable blobs, each contiguous and 4 KiB aligned, in one budgeted buffer.
+
+    Args:
+        config: The pool's size and budget kind.
+        memory: Where the buffer comes from.
+    """
+
+    def __init__(self, config: BlobPoolConfig, memory: HostMemory) -> None:
+        self._config = config
+        self._memory = memory
+        blocks = config.capacity // BLOB_ALIGNMENT
+        self._buffer: HostBuffer | None = memory.allocate(
+            config.kind, blocks * BLOB_ALIGNMENT, label=config.label
+        )
+        self._blocks = ExtentAllocator(blocks, name=f"{config.label} blocks")
+        self._blobs: dict[str, Blob] = {}
+        self._pins: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def config(self) -> BlobPoolConfig:
+        """The pool's configuration."""
+        return self._config
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blobs
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def put(self, key: str, data: torch.Tensor) -> Blob:
+        """Copy ``data`` (any dtype and shape, CPU or device) in as blob ``key``.
+
+        Raises:
+            StateError: ``key`` is already stored.
+            CapacityError: no contiguous free block holds it; nothing was stored.
+        """
+        buffer = self._check_open()
+        nbytes = data.numel() * data.element_size()
+        if nbytes < 1:
+            raise ConfigError(
+                owner=f"{self._config.label}.put", field="data", value=0, reason="is empty"
+            )
+        with self._lock:
+            if key in self._blobs:
+                raise StateError(
+                    subject=f"{self._config.label}.put", reason=f"key {key!r} is already stored"
+                )
+            run = self._blocks.allocate_contiguous(-(-nbytes // BLOB_ALIGNMENT))
+            blob = Blob(key=key, nbytes=nbytes, run=run)
+            self._blobs[key] = blob
+        start = run.start * BLOB_ALIGNMENT
+        target = buffer.tensor[start : start + nbytes]
+        target.copy_(data.detach().contiguous().reshape(-1).view(torch.uint8))
+        return blob
+
+    def view(
+        self, key: str, dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] = (-1,)
+    ) -> torch.Tensor | None:
+        """A zero-copy view of blob ``key`` as ``dtype`` and ``shape``, or None when absent.
+
+        The view must not be written: blobs are immutable.
+        """
+        blob = self._blobs.get(key)
+        if blob is None:
+            return None
+        buffer = self._check_open()
+        start = blob.run.start * BLOB_ALIGNMENT
+        return buffer.tensor[start : start + blob.nbytes].view(dtype).view(shape)
+
+    def remove(self, key: str) -> None:
+        """Free blob ``key``.
+
+        Raises:
+            StateError: ``key`` is absent or pinned.
+        """
+        with self._lock:
+            blob = self._blobs.get(key)
+            if blob is None:
+                raise StateError(subject=f"{self._config.label}.remove", reason=f"no key {key!r}")
+            if self._pins.get(key):
+                raise StateError(
+                    subject=f"{self._config.label}.remove", reason=f"key {key!r} is pinned"
+                )
+            del self._blobs[key]
+            self._blocks.free([blob.run])
+
+    def pin(self, key: str) -> None:
+        """Add one pin to ``key`` (it cannot be removed until unpinned)."""
+        with self._lock:
+            if key not in self._blobs:
+                raise StateError(subject=f"{self._config.label}.pin", reason=f"no key {key!r}")
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: str) -> None:
+        """Drop one pin from ``key``."""
+        with self._lock:
+            count = self._pins.get(key, 0)
+            if count == 0:
+                raise StateError(
+                    subject=f"{self._config.label}.unpin", reason=f"key {key!r} is not pinned"
+                )
+            if count == 1:
+                del self._pins[key]
+            else:
+                self._pins[key] = count - 1
+
+    def stats(self) -> PoolStats:
+        """Bytes used, free and pinned, in whole 4 KiB blocks."""
+        with self._lock:
+            free = self._blocks.free_units
+            pinned = sum(self._blobs[key].run.length for key in self._pins)
+        total = self._blocks.capacity
+        return PoolStats(
+            kind=self._config.kind,
+            label=self._config.label,
+            capacity_bytes=total * BLOB_ALIGNMENT,
+            used_bytes=(total - free) * BLOB_ALIGNMENT,
+            free_bytes=free * BLOB_ALIGNMENT,
+            pinned_bytes=pinned * BLOB_ALIGNMENT,
+            page_locked=self._memory.page_locked,
+        )
+
+    def close(self) -> None:
+        """Give the buffer back to the budget.
+
+        Raises:
+            StateError: blobs are pinned.
+        """
+        if self._buffer is None:
+            return
+        if self._pins:
+            raise StateError(subject=f"{self._config.label} close", reason="blobs are pinned")
+        buffer, self._buffer = self._buffer, None
+        self._blobs.clear()
+        self._memory.release(buffer)
+
+    def _check_open(self) -> HostBuffer:
+        if self._buffer is None:
+            raise StateError(subject=self._config.label, reason="is closed")
+        return self._buffer
