@@ -24,18 +24,22 @@ from collections.abc import Iterable
 
 import attrs
 
-from sglang_storage.config import non_negative_int, positive_int, require_int
+from sglang_storage.config import require_int
 from sglang_storage.errors import CapacityError, StateError
 
 __all__ = ["ExtentAllocator", "Run"]
 
 
-@attrs.frozen(kw_only=True, order=True)
+@attrs.frozen(order=True)
 class Run:
-    """Units ``start .. start + length - 1``."""
+    """Units ``start .. start + length - 1``, as an allocator handed them out.
 
-    start: int = attrs.field(validator=non_negative_int)
-    length: int = attrs.field(validator=positive_int)
+    Not validated on construction: runs are made by :class:`ExtentAllocator`, which checks
+    every run given back against what it handed out.
+    """
+
+    start: int
+    length: int
 
     @property
     def end(self) -> int:
@@ -167,7 +171,7 @@ class ExtentAllocator:
             self._add_free(start + n, length - n)
         self._allocated[start] = n
         self._free_units -= n
-        return Run(start=start, length=n)
+        return Run(start, n)
 
     def _insert_free(self, start: int, length: int) -> None:
         end = start + length

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Self
 
 import attrs
+import numpy as np
 import torch
 
 from sglang_storage.core import DataKind
@@ -72,26 +73,14 @@ class KVHostPool:
         )
         self._kv = self._buffer.tensor.view(geometry.dtype).view(geometry.buffer_shape)
         self._slots = SlotAllocator(geometry.num_pages, name=f"{label} pages")
+        # Every layout is (planes, A, pages, chunk) with A = layers for layer_first and 1
+        # otherwise: a page is [:, :, page] and flattens in SGLang's page order.
         g = geometry
-        inner = (g.head_num, g.head_dim)
-        planes = () if g.is_mla else (2,)
-        # The buffer with the page axis split out: page axis at _page_axis, and moving it
-        # to the front gives (pages, *page_shape-without-the-1) in SGLang's page order.
-        if g.layout is KVLayout.LAYER_FIRST:
-            paged = (*planes, g.layer_num, g.num_pages, g.page_size, *inner)
-            axis = len(planes) + 1
-        elif g.layout is KVLayout.PAGE_FIRST:
-            paged = (*planes, g.num_pages, g.page_size, g.layer_num, *inner)
-            axis = len(planes)
-        elif g.layout is KVLayout.PAGE_FIRST_DIRECT:
-            paged = (*planes, g.num_pages, g.layer_num, g.page_size, *inner)
-            axis = len(planes)
-        else:
-            paged = (*planes, g.num_pages, g.head_num, g.page_size, g.layer_num, g.head_dim)
-            axis = len(planes)
-        self._paged = self._kv.view(paged)
-        self._page_axis = axis
-        self._row_shape = tuple(d for i, d in enumerate(paged) if i != axis)
+        self._outer = g.layer_num if g.layout is KVLayout.LAYER_FIRST else 1
+        self._chunk = g.page_numel // (g.kv_planes * self._outer)
+        self._planes = g.kv_planes
+        self._page_numel = g.page_numel
+        self._paged = self._kv.view(self._planes, self._outer, g.num_pages, self._chunk)
 
     # ------------------------------------------------------------------ facts
 
@@ -172,8 +161,10 @@ class KVHostPool:
         index = self._pages(pages)
         n = index.numel()
         target = self._rows_out(out, n)
-        gathered = self._paged.index_select(self._page_axis, index)
-        target.view(n, *self._row_shape).copy_(gathered.movedim(self._page_axis, 0))
+        # One copy, straight into the caller's rows: the strided out view puts each
+        # gathered page where SGLang's flat page order wants it.
+        rows = target.view(n, self._planes, self._outer, self._chunk).permute(1, 2, 0, 3)
+        torch.index_select(self._paged, 2, index, out=rows)
         return target
 
     def write_pages(self, pages: torch.Tensor | Sequence[int], data: torch.Tensor) -> None:
@@ -189,8 +180,9 @@ class KVHostPool:
         self._check_distinct(index)
         n = index.numel()
         rows = self._rows_in(data, n)
-        source = rows.view(n, *self._row_shape).movedim(0, self._page_axis)
-        self._paged.index_copy_(self._page_axis, index, source)
+        g = self._geometry
+        source = rows.view(n, g.kv_planes, self._outer, self._chunk).permute(1, 2, 0, 3)
+        self._paged.index_copy_(2, index, source)
 
     def read_page(self, page: int) -> torch.Tensor:
         """One page, flat, as a new tensor (SGLang's ``get_data_page(flat=True)`` bytes)."""
@@ -320,21 +312,39 @@ class KVHostPool:
 
     def _pages(self, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
         self._check_open()
-        index = as_slot_tensor(pages, owner=f"{self._label} pages")
-        if index.numel():
-            bad = (index < 0) | (index >= self._geometry.num_pages)
-            if bool(bad.any()):
-                raise ConfigError(
-                    owner=self._label,
-                    field="pages",
-                    value=index[bad][:8].tolist(),
-                    reason="are out of range",
-                    allowed=f"0 .. {self._geometry.num_pages - 1}",
-                )
+        if (
+            isinstance(pages, torch.Tensor)
+            and pages.dtype == torch.int64
+            and pages.dim() == 1
+            and pages.device.type == "cpu"
+        ):
+            index = pages
+        else:
+            index = as_slot_tensor(pages, owner=f"{self._label} pages")
+        n = index.numel()
+        if n == 0:
+            return index
+        # Small batches (the common case per request) check faster in Python than numpy.
+        if n <= 32:
+            values = index.tolist()
+            low, high = min(values), max(values)
+        else:
+            array = index.numpy()
+            low, high = int(array.min()), int(array.max())
+        limit = self._geometry.num_pages
+        if low < 0 or high >= limit:
+            bad = index[(index < 0) | (index >= limit)]
+            raise ConfigError(
+                owner=self._label,
+                field="pages",
+                value=bad[:8].tolist(),
+                reason="are out of range",
+                allowed=f"0 .. {limit - 1}",
+            )
         return index
 
     def _check_distinct(self, index: torch.Tensor) -> None:
-        if index.numel() > 1 and torch.unique(index).numel() != index.numel():
+        if index.numel() > 1 and np.unique(index.numpy()).size != index.numel():
             raise ConfigError(
                 owner=self._label,
                 field="pages",
@@ -345,8 +355,8 @@ class KVHostPool:
     def _rows_out(self, out: torch.Tensor | None, n: int) -> torch.Tensor:
         g = self._geometry
         if out is None:
-            return torch.empty((n, g.page_numel), dtype=g.dtype)
-        if out.dtype != g.dtype or tuple(out.shape) != (n, g.page_numel):
+            return torch.empty((n, self._page_numel), dtype=g.dtype)
+        if out.dtype != g.dtype or out.shape != (n, self._page_numel):
             raise ConfigError(
                 owner=f"{self._label}.read_pages",
                 field="out",

@@ -27,12 +27,14 @@ from contextlib import contextmanager
 from typing import Final
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from sglang_storage.config import require_int
 from sglang_storage.errors import CapacityError, ConfigError, StateError
 
-__all__ = ["SlotAllocator", "SlotStats", "as_slot_tensor"]
+__all__ = ["SlotAllocator", "SlotStats", "as_slot_tensor", "slot_array"]
 
 _FREE: Final = -1
 _SHOWN: Final = 8  # how many offending slots an error message lists
@@ -79,9 +81,14 @@ def as_slot_tensor(slots: torch.Tensor | Sequence[int], *, owner: str) -> torch.
     return torch.tensor(values, dtype=torch.int64)
 
 
-def _listed(values: torch.Tensor) -> str:
+def slot_array(slots: torch.Tensor | Sequence[int], *, owner: str) -> npt.NDArray[np.int64]:
+    """Return ``slots`` as a 1-D int64 numpy array (sharing a CPU int64 tensor's memory)."""
+    return as_slot_tensor(slots, owner=owner).numpy()
+
+
+def _listed(values: npt.NDArray[np.int64]) -> str:
     shown = values[:_SHOWN].tolist()
-    more = f" and {values.numel() - _SHOWN} more" if values.numel() > _SHOWN else ""
+    more = f" and {values.size - _SHOWN} more" if values.size > _SHOWN else ""
     return f"{shown}{more}"
 
 
@@ -97,13 +104,16 @@ class SlotAllocator:
         require_int(capacity, owner="SlotAllocator", field="capacity", low=1)
         self._capacity = capacity
         self._name = name
+        # Bookkeeping lives in numpy arrays: a small numpy index op costs a fraction of
+        # torch's dispatch, and tensors cross over without copies (from_numpy / numpy()).
         # Free slots are _stack[_head:]; alloc takes from _head upwards, free pushes below it.
-        self._stack = torch.arange(capacity, dtype=torch.int64)
+        self._stack = np.arange(capacity, dtype=np.int64)
         self._head = 0
         # Per slot: _FREE, or the pin count (>= 0) of an allocated slot.
-        self._state = torch.full((capacity,), _FREE, dtype=torch.int32)
+        self._state = np.full(capacity, _FREE, dtype=np.int32)
         # Scratch for the O(n) duplicate check (holds stale values between calls; that is fine).
-        self._scratch = torch.zeros(capacity, dtype=torch.int64)
+        self._scratch = np.zeros(capacity, dtype=np.int64)
+        self._positions = np.arange(capacity, dtype=np.int64)
         self._pinned_slots = 0
         self._lock = threading.Lock()
 
@@ -155,10 +165,10 @@ class SlotAllocator:
                     unit="slots",
                     hint="free or evict slots first, or size the pool larger",
                 )
-            slots = self._stack[self._head : self._head + n].clone()
+            slots = self._stack[self._head : self._head + n].copy()
             self._state[slots] = 0
             self._head += n
-            return slots
+        return torch.from_numpy(slots)
 
     def free(self, slots: torch.Tensor | Sequence[int]) -> None:
         """Give allocated, unpinned ``slots`` back; they may be handed out again.
@@ -168,18 +178,20 @@ class SlotAllocator:
             StateError: a slot is already free, or pinned; nothing was freed.
         """
         index = self._checked(slots, "free")
-        if index.numel() == 0:
+        n = index.size
+        if n == 0:
             return
         with self._lock:
             self._check_distinct(index, "free")
             state = self._state[index]
-            self._refuse(index, state == _FREE, "free", "are already free (double free)")
-            self._refuse(
-                index, state > 0, "free", "are pinned by an in-flight transfer; unpin them first"
-            )
+            if not (state == 0).all():
+                self._refuse(index, state == _FREE, "free", "are already free (double free)")
+                self._refuse(
+                    index, state > 0, "free", "are pinned by an in-flight transfer; unpin first"
+                )
             self._state[index] = _FREE
-            self._head -= index.numel()
-            self._stack[self._head : self._head + index.numel()] = index
+            self._head -= n
+            self._stack[self._head : self._head + n] = index
 
     def pin(self, slots: torch.Tensor | Sequence[int]) -> None:
         """Add one pin to each of ``slots``, which must be allocated.
@@ -189,13 +201,13 @@ class SlotAllocator:
             StateError: a slot is free; nothing was pinned.
         """
         index = self._checked(slots, "pin")
-        if index.numel() == 0:
+        if index.size == 0:
             return
         with self._lock:
             self._check_distinct(index, "pin")
             state = self._state[index]
             self._refuse(
-                index, state == _FREE, "pin", "are free; only allocated slots can be pinned"
+                index, state == _FREE, "pin", "are free; only allocated ones can be pinned"
             )
             self._pinned_slots += int((state == 0).sum())
             self._state[index] = state + 1
@@ -208,7 +220,7 @@ class SlotAllocator:
             StateError: a slot has no pin; nothing was unpinned.
         """
         index = self._checked(slots, "unpin")
-        if index.numel() == 0:
+        if index.size == 0:
             return
         with self._lock:
             self._check_distinct(index, "unpin")
@@ -220,7 +232,7 @@ class SlotAllocator:
     @contextmanager
     def pinned(self, slots: torch.Tensor | Sequence[int]) -> Iterator[torch.Tensor]:
         """Pin ``slots`` for the duration of a ``with`` block; yields them as a tensor."""
-        index = self._checked(slots, "pin")
+        index = torch.from_numpy(self._checked(slots, "pin"))
         self.pin(index)
         try:
             yield index
@@ -231,13 +243,13 @@ class SlotAllocator:
         """A bool tensor: which of ``slots`` are allocated."""
         index = self._checked(slots, "is_allocated")
         with self._lock:
-            return self._state[index] != _FREE
+            return torch.from_numpy(self._state[index] != _FREE)
 
     def pin_counts(self, slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """The pin count of each of ``slots`` (0 for unpinned or free slots)."""
         index = self._checked(slots, "pin_counts")
         with self._lock:
-            return self._state[index].clamp(min=0)
+            return torch.from_numpy(np.maximum(self._state[index], 0))
 
     def reset(self) -> None:
         """Free every slot.
@@ -251,34 +263,32 @@ class SlotAllocator:
                     subject=f"{self._name} reset",
                     reason=f"{self._pinned_slots} slots are pinned by in-flight transfers",
                 )
-            self._stack = torch.arange(self._capacity, dtype=torch.int64)
-            self._state.fill_(_FREE)
+            self._stack = np.arange(self._capacity, dtype=np.int64)
+            self._state.fill(_FREE)
             self._head = 0
 
     # ------------------------------------------------------------------ checks
 
-    def _checked(self, slots: torch.Tensor | Sequence[int], op: str) -> torch.Tensor:
-        index = as_slot_tensor(slots, owner=f"{self._name} {op}")
-        if index.numel() == 0:
-            return index
-        bad = (index < 0) | (index >= self._capacity)
-        if bool(bad.any()):
+    def _checked(self, slots: torch.Tensor | Sequence[int], op: str) -> npt.NDArray[np.int64]:
+        index = slot_array(slots, owner=f"{self._name} {op}")
+        if index.size and (index.min() < 0 or index.max() >= self._capacity):
+            bad = index[(index < 0) | (index >= self._capacity)]
             raise ConfigError(
                 owner=f"{self._name} {op}",
                 field="slots",
-                value=_listed(index[bad]),
+                value=_listed(bad),
                 reason="are out of range",
                 allowed=f"0 .. {self._capacity - 1}",
             )
         return index
 
-    def _check_distinct(self, index: torch.Tensor, op: str) -> None:
+    def _check_distinct(self, index: npt.NDArray[np.int64], op: str) -> None:
         # Write each position into its slot's scratch cell; a repeated slot keeps only one
         # writer, so some position reads back another position's number.
-        positions = torch.arange(index.numel(), dtype=torch.int64)
+        positions = self._positions[: index.size]
         self._scratch[index] = positions
         repeated = self._scratch[index] != positions
-        if bool(repeated.any()):
+        if repeated.any():
             raise ConfigError(
                 owner=f"{self._name} {op}",
                 field="slots",
@@ -286,8 +296,10 @@ class SlotAllocator:
                 reason="are repeated; each slot may appear once per call",
             )
 
-    def _refuse(self, index: torch.Tensor, bad: torch.Tensor, op: str, what: str) -> None:
-        if bool(bad.any()):
+    def _refuse(
+        self, index: npt.NDArray[np.int64], bad: npt.NDArray[np.bool_], op: str, what: str
+    ) -> None:
+        if bad.any():
             raise StateError(
                 subject=f"{self._name} {op}", reason=f"slots {_listed(index[bad])} {what}"
             )
