@@ -27,7 +27,15 @@ from typing import Final, Self
 
 import attrs
 
-from sglang_storage.config import BYTES, instance_of, non_empty_str, non_negative_int, require_int
+from sglang_storage.config import (
+    BYTES,
+    instance_of,
+    non_empty_str,
+    non_negative_int,
+    optional,
+    positive_int,
+    require_int,
+)
 from sglang_storage.core import DataKind
 from sglang_storage.errors import CapacityError, ConfigError, StateError
 from sglang_storage.units import format_bytes
@@ -55,7 +63,7 @@ class MemoryFacts:
     """Installed memory (MemTotal)."""
     available: int = attrs.field(validator=non_negative_int)
     """Memory that can be allocated now without swapping (MemAvailable)."""
-    cgroup_limit: int | None = attrs.field(default=None)
+    cgroup_limit: int | None = attrs.field(default=None, validator=optional(non_negative_int))
     """The cgroup's memory limit, or None when the process runs without one."""
     cgroup_usage: int = attrs.field(default=0, validator=non_negative_int)
     """What the cgroup already uses (counts against ``cgroup_limit``)."""
@@ -153,6 +161,9 @@ class BudgetConfig:
     """Bytes reserved for weight blobs."""
     headroom: int = attrs.field(default=2 << 30, metadata=BYTES, validator=non_negative_int)
     """Bytes that must stay available to the rest of the process and the system."""
+    ranks_per_host: int = attrs.field(default=1, validator=positive_int)
+    """Processes on this host that each take a budget of this size (TP ranks); the
+    start-up check makes sure the host holds all of them."""
 
     def __attrs_post_init__(self) -> None:
         reserved = sum(self.reservations().values())
@@ -242,23 +253,27 @@ class HostMemoryBudget:
         facts: The machine's memory; read from the system when omitted.
 
     Raises:
-        CapacityError: ``config.total`` plus ``config.headroom`` exceeds the memory this
-            process can use (available memory, bounded by its cgroup limit).
+        CapacityError: ``config.total`` exceeds this process's share of the memory the
+            host can give (available memory within the cgroup limit, less the headroom,
+            divided by ``ranks_per_host``).
     """
 
     def __init__(self, config: BudgetConfig, *, facts: MemoryFacts | None = None) -> None:
         self._config = config
         self._facts = facts if facts is not None else read_memory_facts()
         usable = self._facts.usable
-        if config.total + config.headroom > usable:
+        ranks = config.ranks_per_host
+        per_rank = max(0, usable - config.headroom) // ranks
+        if config.total > per_rank:
+            shared = f", shared by {ranks} ranks on this host" if ranks > 1 else ""
             raise CapacityError(
                 resource="host memory budget",
                 requested=config.total,
-                available=max(0, usable - config.headroom),
+                available=per_rank,
                 hint=(
                     f"the machine has {self._facts.describe()}; with "
                     f"{format_bytes(config.headroom)} kept as headroom at most "
-                    f"{format_bytes(max(0, usable - config.headroom))} can be budgeted. "
+                    f"{format_bytes(per_rank)} can be budgeted per process{shared}. "
                     "Lower the budget (or --hicache-ratio/--hicache-size) or the headroom"
                 ),
             )
@@ -304,6 +319,13 @@ class HostMemoryBudget:
                 allowed=", ".join(k.value for k in DataKind),
             )
         require_int(nbytes, owner="HostMemoryBudget.acquire", field="nbytes")
+        if not label.strip():
+            raise ConfigError(
+                owner="HostMemoryBudget.acquire",
+                field="label",
+                value=label,
+                reason="must be a non-empty str",
+            )
         with self._lock:
             available = self._available(kind)
             if nbytes > available:

@@ -171,6 +171,13 @@ class EmbeddingPool:
         """
         self._check_open()
         c = self._config
+        if not isinstance(key, str):
+            raise ConfigError(
+                owner=f"{c.label}.put",
+                field="key",
+                value=key,
+                reason=f"must be a str (a multimodal hash as text), not {type(key).__name__}",
+            )
         if rows.dim() != 2 or rows.shape[1] != c.dim or rows.shape[0] < 1:
             raise ConfigError(
                 owner=f"{c.label}.put",
@@ -191,15 +198,21 @@ class EmbeddingPool:
             runs = self._pages.allocate(self.pages_for(rows.shape[0]))
             entry = EmbeddingEntry(key=key, num_rows=rows.shape[0], runs=runs)
             self._entries[key] = entry
-        done = 0
-        for segment in self._segments(entry):
-            count = segment.shape[0]
-            segment.copy_(rows[done : done + count])
-            done += count
+        # Pinned while the rows are copied in, so a concurrent remove cannot free them.
+        self.pin(key)
+        try:
+            done = 0
+            for segment in self._segments(entry):
+                count = segment.shape[0]
+                segment.copy_(rows[done : done + count])
+                done += count
+        finally:
+            self.unpin(key)
         return entry
 
     def get(self, key: str) -> torch.Tensor | None:
         """A copy of ``key``'s rows ``(n, dim)``, or None when absent."""
+        self._check_open()
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -215,6 +228,13 @@ class EmbeddingPool:
             ConfigError: ``out`` has the wrong shape.
         """
         entry = self._require(key, "read_into")
+        if out.dtype != self._config.dtype:
+            raise ConfigError(
+                owner=f"{self._config.label}.read_into",
+                field="out",
+                value=str(out.dtype),
+                reason=f"must have the pool's element type {self._config.dtype}",
+            )
         if tuple(out.shape) != (entry.num_rows, self._config.dim):
             raise ConfigError(
                 owner=f"{self._config.label}.read_into",

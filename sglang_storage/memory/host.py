@@ -28,8 +28,8 @@ import torch
 
 from sglang_storage.config import require_int
 from sglang_storage.core import DataKind
-from sglang_storage.errors import BackendUnavailableError, StateError
-from sglang_storage.memory.budget import HostMemoryBudget, Lease
+from sglang_storage.errors import BackendUnavailableError, CapacityError, StateError
+from sglang_storage.memory.budget import HostMemoryBudget, Lease, read_memory_facts
 
 __all__ = [
     "HostAllocator",
@@ -88,9 +88,21 @@ class HostBuffer:
         return self.tensor.data_ptr()
 
 
-def _aligned_empty(nbytes: int) -> torch.Tensor:
-    """A 1-D uint8 CPU tensor of ``nbytes`` whose start is ALIGNMENT-aligned."""
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
+def _aligned_empty(nbytes: int, label: str) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor of ``nbytes`` whose start is ALIGNMENT-aligned.
+
+    Raises:
+        CapacityError: the operating system refused the memory.
+    """
+    try:
+        raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
+    except RuntimeError as error:  # torch reports a refused allocation as RuntimeError
+        raise CapacityError(
+            resource=f"host memory for {label}",
+            requested=nbytes,
+            available=read_memory_facts().usable,
+            hint=f"the allocation was refused ({error}); lower the budget",
+        ) from None
     skip = (-raw.data_ptr()) % ALIGNMENT
     return raw[skip : skip + nbytes]
 
@@ -122,7 +134,7 @@ class PlainAllocator(HostAllocator):
 
     def allocate(self, nbytes: int, *, label: str) -> HostBuffer:
         """Allocate ``nbytes`` of plain memory."""
-        return HostBuffer(tensor=_aligned_empty(nbytes), page_locked=False, label=label)
+        return HostBuffer(tensor=_aligned_empty(nbytes, label), page_locked=False, label=label)
 
     def release(self, buffer: HostBuffer) -> None:
         """Nothing to undo: the memory goes when the last view of the tensor goes."""
@@ -153,7 +165,7 @@ class PinnedAllocator(HostAllocator):
 
     def allocate(self, nbytes: int, *, label: str) -> HostBuffer:
         """Allocate ``nbytes`` and register them with CUDA."""
-        tensor = _aligned_empty(nbytes)
+        tensor = _aligned_empty(nbytes, label)
         status = self._cudart.cudaHostRegister(tensor.data_ptr(), nbytes, _REGISTER_FLAGS)
         if int(status) != 0:
             raise BackendUnavailableError(
@@ -236,5 +248,7 @@ class HostMemory:
                 subject=f"HostMemory.release of {buffer.label!r}",
                 reason="the buffer was not allocated here or was already released",
             )
-        self._allocator.release(buffer)
-        entry[1].release()
+        try:
+            self._allocator.release(buffer)
+        finally:
+            entry[1].release()

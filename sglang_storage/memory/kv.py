@@ -32,7 +32,7 @@ import torch
 from sglang_storage.core import DataKind
 from sglang_storage.errors import ConfigError, StateError
 from sglang_storage.memory.host import HostBuffer, HostMemory
-from sglang_storage.memory.layouts import KVGeometry, KVLayout
+from sglang_storage.memory.layouts import KVGeometry, KVLayout, bits_dtype
 from sglang_storage.memory.slots import SlotAllocator, as_slot_tensor
 from sglang_storage.memory.stats import PoolStats
 
@@ -81,6 +81,9 @@ class KVHostPool:
         self._planes = g.kv_planes
         self._page_numel = g.page_numel
         self._paged = self._kv.view(self._planes, self._outer, g.num_pages, self._chunk)
+        # Pages move as integers of the element's size: exact, and every dtype has kernels.
+        self._bits = bits_dtype(g.dtype)
+        self._paged_bits = self._paged.view(self._bits)
 
     # ------------------------------------------------------------------ facts
 
@@ -119,19 +122,23 @@ class KVHostPool:
 
     def free(self, pages: torch.Tensor | Sequence[int]) -> None:
         """Free allocated, unpinned pages; see :meth:`SlotAllocator.free`."""
+        self._check_open()
         self._slots.free(pages)
 
     def pin(self, pages: torch.Tensor | Sequence[int]) -> None:
         """Pin pages for an in-flight transfer; see :meth:`SlotAllocator.pin`."""
+        self._check_open()
         self._slots.pin(pages)
 
     def unpin(self, pages: torch.Tensor | Sequence[int]) -> None:
         """Drop one pin per page; see :meth:`SlotAllocator.unpin`."""
+        self._check_open()
         self._slots.unpin(pages)
 
     @contextmanager
     def pinned(self, pages: torch.Tensor | Sequence[int]) -> Iterator[torch.Tensor]:
         """Pin ``pages`` for a ``with`` block."""
+        self._check_open()
         with self._slots.pinned(pages) as index:
             yield index
 
@@ -163,8 +170,8 @@ class KVHostPool:
         target = self._rows_out(out, n)
         # One copy, straight into the caller's rows: the strided out view puts each
         # gathered page where SGLang's flat page order wants it.
-        rows = target.view(n, self._planes, self._outer, self._chunk).permute(1, 2, 0, 3)
-        torch.index_select(self._paged, 2, index, out=rows)
+        rows = target.view(self._bits).view(n, self._planes, self._outer, self._chunk)
+        torch.index_select(self._paged_bits, 2, index, out=rows.permute(1, 2, 0, 3))
         return target
 
     def write_pages(self, pages: torch.Tensor | Sequence[int], data: torch.Tensor) -> None:
@@ -179,10 +186,9 @@ class KVHostPool:
         index = self._pages(pages)
         self._check_distinct(index)
         n = index.numel()
-        rows = self._rows_in(data, n)
-        g = self._geometry
-        source = rows.view(n, g.kv_planes, self._outer, self._chunk).permute(1, 2, 0, 3)
-        self._paged.index_copy_(2, index, source)
+        rows = self._rows_in(data, n).view(self._bits)
+        source = rows.view(n, self._planes, self._outer, self._chunk).permute(1, 2, 0, 3)
+        self._paged_bits.index_copy_(2, index, source)
 
     def read_page(self, page: int) -> torch.Tensor:
         """One page, flat, as a new tensor (SGLang's ``get_data_page(flat=True)`` bytes)."""
@@ -382,7 +388,11 @@ class KVHostPool:
                     value=f"{data.numel()} bytes",
                     reason=f"must hold exactly {n} pages of {g.page_bytes} bytes",
                 )
-            return data.contiguous().view(g.dtype).view(n, g.page_numel)
+            raw = data.reshape(-1)
+            # A payload after an odd-sized header is not aligned for the element type.
+            if not raw.is_contiguous() or raw.data_ptr() % g.itemsize:
+                raw = raw.clone()
+            return raw.view(g.dtype).view(n, g.page_numel)
         if data.dtype != g.dtype:
             raise ConfigError(
                 owner=f"{self._label}.write_pages",
@@ -397,4 +407,4 @@ class KVHostPool:
                 value=f"tensor of shape {tuple(data.shape)}",
                 reason=f"must hold exactly {n} pages of {g.page_numel} elements",
             )
-        return data.reshape(n, g.page_numel)
+        return data.reshape(n, g.page_numel).contiguous()

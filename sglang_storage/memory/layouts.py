@@ -31,7 +31,7 @@ import torch
 from sglang_storage.config import instance_of, positive_int
 from sglang_storage.errors import ConfigError
 
-__all__ = ["KV_DTYPES", "Attention", "KVGeometry", "KVLayout"]
+__all__ = ["KV_DTYPES", "Attention", "KVGeometry", "KVLayout", "bits_dtype"]
 
 
 class KVLayout(enum.Enum):
@@ -68,6 +68,22 @@ KV_DTYPES: Final[tuple[torch.dtype, ...]] = (
     torch.int8,
 )
 """Element types a KV pool accepts (SGLang keeps some fp8 caches as uint8)."""
+
+
+_BITS: Final[dict[int, torch.dtype]] = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer type of ``dtype``'s size, for moving its bits where ``dtype`` has no kernel.
+
+    CPU ``index_copy_`` has no fp8 kernel; copying the same bits as integers is exact.
+    """
+    return _BITS[dtype.itemsize]
 
 
 def _kv_dtype(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

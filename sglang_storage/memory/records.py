@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any, Final
 
 import attrs
+import numpy as np
 import torch
 
 from sglang_storage.config import BYTES, instance_of, non_empty_str, positive_int, tuple_of
@@ -28,6 +29,7 @@ from sglang_storage.core import DataKind
 from sglang_storage.errors import BackendUnavailableError, ConfigError, StateError
 from sglang_storage.memory.extents import ExtentAllocator, Run
 from sglang_storage.memory.host import HostBuffer, HostMemory, cuda_available
+from sglang_storage.memory.layouts import bits_dtype
 from sglang_storage.memory.slots import SlotAllocator, as_slot_tensor
 from sglang_storage.memory.stats import PoolStats
 
@@ -118,6 +120,7 @@ class RecordPool:
             config.kind, config.capacity * config.record_bytes, label=config.label
         )
         self._records = self._buffer.tensor.view(config.dtype).view(config.capacity, *config.shape)
+        self._records_bits = self._records.view(bits_dtype(config.dtype))
         self._slots = SlotAllocator(config.capacity, name=f"{config.label} slots")
 
     @property
@@ -143,14 +146,17 @@ class RecordPool:
 
     def free(self, slots: torch.Tensor | Sequence[int]) -> None:
         """Free record slots; see :meth:`SlotAllocator.free`."""
+        self._check_open()
         self._slots.free(slots)
 
     def pin(self, slots: torch.Tensor | Sequence[int]) -> None:
         """Pin record slots for an in-flight transfer."""
+        self._check_open()
         self._slots.pin(slots)
 
     def unpin(self, slots: torch.Tensor | Sequence[int]) -> None:
         """Drop one pin per slot."""
+        self._check_open()
         self._slots.unpin(slots)
 
     @contextmanager
@@ -175,7 +181,15 @@ class RecordPool:
                 value=f"{data.dtype} tensor of shape {tuple(data.shape)}",
                 reason=f"must be a {c.dtype} tensor of shape {(index.numel(), *c.shape)}",
             )
-        self._records.index_copy_(0, index, data.to("cpu"))
+        if index.numel() > 1 and np.unique(index.numpy()).size != index.numel():
+            raise ConfigError(
+                owner=f"{c.label}.write",
+                field="slots",
+                value=index.tolist()[:8],
+                reason="are repeated; a write names each slot once",
+            )
+        source = data.to("cpu").contiguous().view(self._records_bits.dtype)
+        self._records_bits.index_copy_(0, index, source)
 
     def read(self, slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """A copy of the records in allocated ``slots``, ``(n, *shape)``.
@@ -362,12 +376,21 @@ class BlobPool:
 
         The view must not be written: blobs are immutable.
         """
+        buffer = self._check_open()
         blob = self._blobs.get(key)
         if blob is None:
             return None
-        buffer = self._check_open()
         start = blob.run.start * BLOB_ALIGNMENT
-        return buffer.tensor[start : start + blob.nbytes].view(dtype).view(shape)
+        raw = buffer.tensor[start : start + blob.nbytes]
+        try:
+            return raw.view(dtype).view(shape)
+        except RuntimeError as error:  # torch's message says why the view does not fit
+            raise ConfigError(
+                owner=f"{self._config.label}.view",
+                field="dtype, shape",
+                value=f"{dtype}, {shape}",
+                reason=f"does not fit the {blob.nbytes}-byte blob {key!r}: {error}",
+            ) from None
 
     def remove(self, key: str) -> None:
         """Free blob ``key``.
@@ -388,6 +411,7 @@ class BlobPool:
 
     def pin(self, key: str) -> None:
         """Add one pin to ``key`` (it cannot be removed until unpinned)."""
+        self._check_open()
         with self._lock:
             if key not in self._blobs:
                 raise StateError(subject=f"{self._config.label}.pin", reason=f"no key {key!r}")

@@ -74,11 +74,11 @@ def as_slot_tensor(slots: torch.Tensor | Sequence[int], *, owner: str) -> torch.
             )
         return slots.to(device="cpu", dtype=torch.int64)
     values = list(slots)
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+    if any(isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) for v in values):
         raise ConfigError(
             owner=owner, field="slots", value=values, reason="must be a sequence of ints"
         )
-    return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor([int(v) for v in values], dtype=torch.int64)
 
 
 def slot_array(slots: torch.Tensor | Sequence[int], *, owner: str) -> npt.NDArray[np.int64]:
@@ -285,6 +285,13 @@ class SlotAllocator:
     def _check_distinct(self, index: npt.NDArray[np.int64], op: str) -> None:
         # Write each position into its slot's scratch cell; a repeated slot keeps only one
         # writer, so some position reads back another position's number.
+        if index.size > self._capacity:  # more in-range slots than exist: some repeat
+            raise ConfigError(
+                owner=f"{self._name} {op}",
+                field="slots",
+                value=f"{index.size} slots",
+                reason=f"repeat slots: there are only {self._capacity}",
+            )
         positions = self._positions[: index.size]
         self._scratch[index] = positions
         repeated = self._scratch[index] != positions
