@@ -12,10 +12,13 @@ the typed host pools. Imports only the shared base (:mod:`sglang_storage.errors`
   every pool takes its buffer from here.
 - :class:`SlotAllocator` (:mod:`.slots`) and :class:`ExtentAllocator` (:mod:`.extents`) -
   fixed slots with pin counts, and best-fit runs with coalescing.
+- :class:`HostPool` / :class:`SlotPool` (:mod:`.base`) - the life cycle every pool shares:
+  one budgeted buffer, closed-state checks, ``close()`` refused while transfers pin data.
 - Pools: :class:`KVHostPool` (SGLang's KV layouts, :mod:`.layouts`), :class:`EmbeddingPool`,
   :class:`RecordPool`, :class:`BlobPool`; each reports :class:`PoolStats`.
 """
 
+from sglang_storage.memory.base import HostPool, SlotPool
 from sglang_storage.memory.budget import (
     BudgetConfig,
     BudgetStats,
@@ -65,6 +68,7 @@ __all__ = [
     "HostBuffer",
     "HostMemory",
     "HostMemoryBudget",
+    "HostPool",
     "KVGeometry",
     "KVHostPool",
     "KVLayerView",
@@ -80,6 +84,7 @@ __all__ = [
     "RecordPoolConfig",
     "Run",
     "SlotAllocator",
+    "SlotPool",
     "SlotStats",
     "cuda_available",
     "make_allocator",

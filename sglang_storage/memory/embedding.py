@@ -28,8 +28,9 @@ import torch
 from sglang_storage.config import BYTES, instance_of, non_empty_str, optional, positive_int
 from sglang_storage.core import DataKind
 from sglang_storage.errors import ConfigError, StateError
+from sglang_storage.memory.base import HostPool
 from sglang_storage.memory.extents import ExtentAllocator, Run
-from sglang_storage.memory.host import HostBuffer, HostMemory
+from sglang_storage.memory.host import HostMemory
 from sglang_storage.memory.stats import PoolStats
 
 __all__ = ["EmbeddingEntry", "EmbeddingPool", "EmbeddingPoolConfig"]
@@ -98,7 +99,7 @@ class EmbeddingEntry:
     runs: tuple[Run, ...]
 
 
-class EmbeddingPool:
+class EmbeddingPool(HostPool):
     """Variable-length runs of embedding rows in one budgeted host buffer.
 
     Args:
@@ -110,13 +111,10 @@ class EmbeddingPool:
     """
 
     def __init__(self, config: EmbeddingPoolConfig, memory: HostMemory) -> None:
-        self._config = config
-        self._memory = memory
         rows = config.num_pages * config.page_rows
-        self._buffer: HostBuffer | None = memory.allocate(
-            DataKind.EMBEDDING, rows * config.row_bytes, label=config.label
-        )
-        self._rows = self._buffer.tensor.view(config.dtype).view(rows, config.dim)
+        super().__init__(memory, DataKind.EMBEDDING, rows * config.row_bytes, label=config.label)
+        self._config = config
+        self._rows = self._check_open().tensor.view(config.dtype).view(rows, config.dim)
         self._pages = ExtentAllocator(config.num_pages, name=f"{config.label} pages")
         self._entries: dict[str, EmbeddingEntry] = {}
         self._pins: dict[str, int] = {}
@@ -133,11 +131,6 @@ class EmbeddingPool:
         """The whole buffer as ``(num_pages * rows_per_page, dim)`` rows."""
         self._check_open()
         return self._rows
-
-    @property
-    def buffer(self) -> HostBuffer:
-        """The underlying host memory block (for zero-copy registration)."""
-        return self._check_open()
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -313,32 +306,18 @@ class EmbeddingPool:
             used_bytes=(self._pages.capacity - free) * page,
             free_bytes=free * page,
             pinned_bytes=pinned * page,
-            page_locked=self._memory.page_locked,
+            page_locked=self.page_locked,
         )
 
-    def close(self) -> None:
-        """Give the buffer back to the budget.
+    def _pinned_reason(self) -> str | None:
+        if not self._pins:
+            return None
+        return f"{len(self._pins)} keys are pinned by in-flight transfers"
 
-        Raises:
-            StateError: keys are pinned by in-flight transfers.
-        """
-        if self._buffer is None:
-            return
-        if self._pins:
-            raise StateError(
-                subject=f"{self._config.label} close",
-                reason=f"{len(self._pins)} keys are pinned by in-flight transfers",
-            )
-        buffer, self._buffer = self._buffer, None
+    def _on_close(self) -> None:
         self._entries.clear()
-        self._memory.release(buffer)
 
     # ------------------------------------------------------------------ internals
-
-    def _check_open(self) -> HostBuffer:
-        if self._buffer is None:
-            raise StateError(subject=self._config.label, reason="is closed")
-        return self._buffer
 
     def _require(self, key: str, op: str) -> EmbeddingEntry:
         entry = self._entries.get(key)

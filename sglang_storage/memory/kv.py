@@ -21,19 +21,18 @@ gives the token indices SGLang's callers use.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Self
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
 import torch
 
 from sglang_storage.core import DataKind
-from sglang_storage.errors import ConfigError, StateError
-from sglang_storage.memory.host import HostBuffer, HostMemory
+from sglang_storage.errors import ConfigError
+from sglang_storage.memory.base import SlotPool
+from sglang_storage.memory.host import HostMemory
 from sglang_storage.memory.layouts import KVGeometry, KVLayout, bits_dtype
-from sglang_storage.memory.slots import SlotAllocator, as_slot_tensor
+from sglang_storage.memory.slots import as_slot_tensor
 from sglang_storage.memory.stats import PoolStats
 
 __all__ = ["KVHostPool", "KVLayerView"]
@@ -50,7 +49,7 @@ class KVLayerView:
     v: torch.Tensor | None
 
 
-class KVHostPool:
+class KVHostPool(SlotPool):
     """Host pages of KV cache in one of SGLang's layouts, with page allocation and pins.
 
     Args:
@@ -65,14 +64,16 @@ class KVHostPool:
     def __init__(
         self, geometry: KVGeometry, memory: HostMemory, *, label: str = "KV host pool"
     ) -> None:
-        self._geometry = geometry
-        self._label = label
-        self._memory = memory
-        self._buffer: HostBuffer | None = memory.allocate(
-            DataKind.KV, geometry.total_bytes, label=label
+        super().__init__(
+            memory,
+            DataKind.KV,
+            geometry.total_bytes,
+            label=label,
+            capacity=geometry.num_pages,
+            unit="pages",
         )
-        self._kv = self._buffer.tensor.view(geometry.dtype).view(geometry.buffer_shape)
-        self._slots = SlotAllocator(geometry.num_pages, name=f"{label} pages")
+        self._geometry = geometry
+        self._kv = self._check_open().tensor.view(geometry.dtype).view(geometry.buffer_shape)
         # Every layout is (planes, A, pages, chunk) with A = layers for layer_first and 1
         # otherwise: a page is [:, :, page] and flattens in SGLang's page order.
         g = geometry
@@ -93,54 +94,10 @@ class KVHostPool:
         return self._geometry
 
     @property
-    def label(self) -> str:
-        """The pool's name."""
-        return self._label
-
-    @property
     def kv_buffer(self) -> torch.Tensor:
         """The whole buffer, shaped as SGLang's ``kv_buffer`` for this geometry."""
         self._check_open()
         return self._kv
-
-    @property
-    def buffer(self) -> HostBuffer:
-        """The underlying host memory block (for registration with zero-copy backends)."""
-        return self._check_open()
-
-    @property
-    def slots(self) -> SlotAllocator:
-        """The page allocator (counts and pin state)."""
-        return self._slots
-
-    # ------------------------------------------------------------------ allocation
-
-    def alloc(self, n: int) -> torch.Tensor:
-        """Allocate ``n`` pages; see :meth:`SlotAllocator.alloc`."""
-        self._check_open()
-        return self._slots.alloc(n)
-
-    def free(self, pages: torch.Tensor | Sequence[int]) -> None:
-        """Free allocated, unpinned pages; see :meth:`SlotAllocator.free`."""
-        self._check_open()
-        self._slots.free(pages)
-
-    def pin(self, pages: torch.Tensor | Sequence[int]) -> None:
-        """Pin pages for an in-flight transfer; see :meth:`SlotAllocator.pin`."""
-        self._check_open()
-        self._slots.pin(pages)
-
-    def unpin(self, pages: torch.Tensor | Sequence[int]) -> None:
-        """Drop one pin per page; see :meth:`SlotAllocator.unpin`."""
-        self._check_open()
-        self._slots.unpin(pages)
-
-    @contextmanager
-    def pinned(self, pages: torch.Tensor | Sequence[int]) -> Iterator[torch.Tensor]:
-        """Pin ``pages`` for a ``with`` block."""
-        self._check_open()
-        with self._slots.pinned(pages) as index:
-            yield index
 
     # ------------------------------------------------------------------ pages
 
@@ -258,7 +215,7 @@ class KVHostPool:
                 regions += [(base + p * run + plane * plane_bytes, run) for plane in planes]
         return regions
 
-    # ------------------------------------------------------------------ stats, life cycle
+    # ------------------------------------------------------------------ stats
 
     def stats(self) -> PoolStats:
         """Bytes used, free and pinned by in-flight transfers."""
@@ -271,38 +228,8 @@ class KVHostPool:
             used_bytes=counts.used * page,
             free_bytes=counts.free * page,
             pinned_bytes=counts.pinned * page,
-            page_locked=self._memory.page_locked,
+            page_locked=self.page_locked,
         )
-
-    def close(self) -> None:
-        """Give the buffer back to the budget; the pool cannot be used afterwards.
-
-        Raises:
-            StateError: pages are pinned by in-flight transfers.
-        """
-        if self._buffer is None:
-            return
-        pinned = self._slots.stats().pinned
-        if pinned:
-            raise StateError(
-                subject=f"{self._label} close",
-                reason=f"{pinned} pages are pinned by in-flight transfers",
-            )
-        buffer, self._buffer = self._buffer, None
-        self._memory.release(buffer)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------ checks
-
-    def _check_open(self) -> HostBuffer:
-        if self._buffer is None:
-            raise StateError(subject=self._label, reason="is closed")
-        return self._buffer
 
     def _check_page(self, page: int) -> None:
         if isinstance(page, bool) or not isinstance(page, int):

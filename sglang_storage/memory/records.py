@@ -16,8 +16,7 @@ Contract, one line per primitive:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
@@ -27,10 +26,11 @@ import torch
 from sglang_storage.config import BYTES, instance_of, non_empty_str, positive_int, tuple_of
 from sglang_storage.core import DataKind
 from sglang_storage.errors import BackendUnavailableError, ConfigError, StateError
+from sglang_storage.memory.base import HostPool, SlotPool
 from sglang_storage.memory.extents import ExtentAllocator, Run
-from sglang_storage.memory.host import HostBuffer, HostMemory, cuda_available
+from sglang_storage.memory.host import HostMemory, cuda_available
 from sglang_storage.memory.layouts import bits_dtype
-from sglang_storage.memory.slots import SlotAllocator, as_slot_tensor
+from sglang_storage.memory.slots import as_slot_tensor
 from sglang_storage.memory.stats import PoolStats
 
 __all__ = ["Blob", "BlobPool", "BlobPoolConfig", "RecordPool", "RecordPoolConfig"]
@@ -102,7 +102,7 @@ _TYPESTR: Final[dict[torch.dtype, str]] = {
 }
 
 
-class RecordPool:
+class RecordPool(SlotPool):
     """Fixed-shape records in one budgeted host buffer, allocated by slot with pins.
 
     Args:
@@ -114,14 +114,18 @@ class RecordPool:
     """
 
     def __init__(self, config: RecordPoolConfig, memory: HostMemory) -> None:
-        self._config = config
-        self._memory = memory
-        self._buffer: HostBuffer | None = memory.allocate(
-            config.kind, config.capacity * config.record_bytes, label=config.label
+        super().__init__(
+            memory,
+            config.kind,
+            config.capacity * config.record_bytes,
+            label=config.label,
+            capacity=config.capacity,
+            unit="records",
         )
-        self._records = self._buffer.tensor.view(config.dtype).view(config.capacity, *config.shape)
+        self._config = config
+        buffer = self._check_open()
+        self._records = buffer.tensor.view(config.dtype).view(config.capacity, *config.shape)
         self._records_bits = self._records.view(bits_dtype(config.dtype))
-        self._slots = SlotAllocator(config.capacity, name=f"{config.label} slots")
 
     @property
     def config(self) -> RecordPoolConfig:
@@ -133,37 +137,6 @@ class RecordPool:
         """All records, ``(capacity, *shape)``, a view of the pool's memory."""
         self._check_open()
         return self._records
-
-    @property
-    def slots(self) -> SlotAllocator:
-        """The slot allocator (counts and pins)."""
-        return self._slots
-
-    def alloc(self, n: int) -> torch.Tensor:
-        """Allocate ``n`` record slots; see :meth:`SlotAllocator.alloc`."""
-        self._check_open()
-        return self._slots.alloc(n)
-
-    def free(self, slots: torch.Tensor | Sequence[int]) -> None:
-        """Free record slots; see :meth:`SlotAllocator.free`."""
-        self._check_open()
-        self._slots.free(slots)
-
-    def pin(self, slots: torch.Tensor | Sequence[int]) -> None:
-        """Pin record slots for an in-flight transfer."""
-        self._check_open()
-        self._slots.pin(slots)
-
-    def unpin(self, slots: torch.Tensor | Sequence[int]) -> None:
-        """Drop one pin per slot."""
-        self._check_open()
-        self._slots.unpin(slots)
-
-    @contextmanager
-    def pinned(self, slots: torch.Tensor | Sequence[int]) -> Iterator[torch.Tensor]:
-        """Pin ``slots`` for a ``with`` block."""
-        with self._slots.pinned(slots) as index:
-            yield index
 
     def write(self, slots: torch.Tensor | Sequence[int], data: torch.Tensor) -> None:
         """Write ``data`` ``(n, *shape)`` into allocated ``slots``.
@@ -246,28 +219,8 @@ class RecordPool:
             used_bytes=counts.used * size,
             free_bytes=counts.free * size,
             pinned_bytes=counts.pinned * size,
-            page_locked=self._memory.page_locked,
+            page_locked=self.page_locked,
         )
-
-    def close(self) -> None:
-        """Give the buffer back to the budget.
-
-        Raises:
-            StateError: slots are pinned by in-flight transfers.
-        """
-        if self._buffer is None:
-            return
-        if self._slots.stats().pinned:
-            raise StateError(
-                subject=f"{self._config.label} close", reason="slots are pinned by transfers"
-            )
-        buffer, self._buffer = self._buffer, None
-        self._memory.release(buffer)
-
-    def _check_open(self) -> HostBuffer:
-        if self._buffer is None:
-            raise StateError(subject=self._config.label, reason="is closed")
-        return self._buffer
 
     def _allocated(self, slots: torch.Tensor | Sequence[int], op: str) -> torch.Tensor:
         self._check_open()
@@ -312,7 +265,7 @@ class Blob:
     """The 4 KiB blocks it occupies."""
 
 
-class BlobPool:
+class BlobPool(HostPool):
     """Large immutable blobs, each contiguous and 4 KiB aligned, in one budgeted buffer.
 
     Args:
@@ -321,12 +274,9 @@ class BlobPool:
     """
 
     def __init__(self, config: BlobPoolConfig, memory: HostMemory) -> None:
-        self._config = config
-        self._memory = memory
         blocks = config.capacity // BLOB_ALIGNMENT
-        self._buffer: HostBuffer | None = memory.allocate(
-            config.kind, blocks * BLOB_ALIGNMENT, label=config.label
-        )
+        super().__init__(memory, config.kind, blocks * BLOB_ALIGNMENT, label=config.label)
+        self._config = config
         self._blocks = ExtentAllocator(blocks, name=f"{config.label} blocks")
         self._blobs: dict[str, Blob] = {}
         self._pins: dict[str, int] = {}
@@ -443,24 +393,11 @@ class BlobPool:
             used_bytes=(total - free) * BLOB_ALIGNMENT,
             free_bytes=free * BLOB_ALIGNMENT,
             pinned_bytes=pinned * BLOB_ALIGNMENT,
-            page_locked=self._memory.page_locked,
+            page_locked=self.page_locked,
         )
 
-    def close(self) -> None:
-        """Give the buffer back to the budget.
+    def _pinned_reason(self) -> str | None:
+        return f"{len(self._pins)} blobs are pinned" if self._pins else None
 
-        Raises:
-            StateError: blobs are pinned.
-        """
-        if self._buffer is None:
-            return
-        if self._pins:
-            raise StateError(subject=f"{self._config.label} close", reason="blobs are pinned")
-        buffer, self._buffer = self._buffer, None
+    def _on_close(self) -> None:
         self._blobs.clear()
-        self._memory.release(buffer)
-
-    def _check_open(self) -> HostBuffer:
-        if self._buffer is None:
-            raise StateError(subject=self._config.label, reason="is closed")
-        return self._buffer
