@@ -31,6 +31,7 @@ from sglang_storage.errors import ConfigError, StateError
 from sglang_storage.memory.base import HostPool
 from sglang_storage.memory.extents import ExtentAllocator, Run
 from sglang_storage.memory.host import HostMemory
+from sglang_storage.memory.layouts import ELEMENT_DTYPES, dtype_in
 from sglang_storage.memory.stats import PoolStats
 
 __all__ = ["EmbeddingEntry", "EmbeddingPool", "EmbeddingPoolConfig"]
@@ -39,23 +40,18 @@ TARGET_PAGE_BYTES = 256 * 1024
 """Default page size in bytes (as SGLang's embedding cache)."""
 
 
-def _dtype(instance: object, attribute: attrs.Attribute[torch.dtype], value: object) -> None:
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ConfigError(
-            owner=type(instance).__name__,
-            field=attribute.name,
-            value=value,
-            reason="must be a floating-point torch.dtype",
-        )
-
-
 @attrs.frozen(kw_only=True)
 class EmbeddingPoolConfig:
     """Shape and size of an embedding pool."""
 
     dim: int = attrs.field(validator=positive_int)
     """Hidden size of one embedding row."""
-    dtype: torch.dtype = attrs.field(validator=_dtype)
+    dtype: torch.dtype = attrs.field(
+        validator=dtype_in(
+            tuple(d for d in ELEMENT_DTYPES if d.is_floating_point),
+            what="a floating-point element type",
+        )
+    )
     """Element type of the rows."""
     capacity: int = attrs.field(metadata=BYTES, validator=positive_int)
     """Bytes of the pool (rounded down to whole pages)."""

@@ -28,10 +28,18 @@ from typing import Any, Final
 import attrs
 import torch
 
-from sglang_storage.config import instance_of, positive_int
+from sglang_storage.config import Validator, instance_of, positive_int
 from sglang_storage.errors import ConfigError
 
-__all__ = ["KV_DTYPES", "Attention", "KVGeometry", "KVLayout", "bits_dtype"]
+__all__ = [
+    "ELEMENT_DTYPES",
+    "KV_DTYPES",
+    "Attention",
+    "KVGeometry",
+    "KVLayout",
+    "bits_dtype",
+    "dtype_in",
+]
 
 
 class KVLayout(enum.Enum):
@@ -86,15 +94,32 @@ def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     return _BITS[dtype.itemsize]
 
 
-def _kv_dtype(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value not in KV_DTYPES:
-        raise ConfigError(
-            owner=type(instance).__name__,
-            field=attribute.name,
-            value=value,
-            reason="is not a KV cache element type",
-            allowed=", ".join(str(d).removeprefix("torch.") for d in KV_DTYPES),
-        )
+ELEMENT_DTYPES: Final[tuple[torch.dtype, ...]] = (
+    torch.float64,
+    *KV_DTYPES,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+"""Element types any pool can hold: those whose bits an integer of the same size carries."""
+
+
+def dtype_in(allowed: tuple[torch.dtype, ...], *, what: str) -> Validator:
+    """An attrs validator: the value must be one of ``allowed`` (``what`` names the rule)."""
+    names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in allowed:
+            raise ConfigError(
+                owner=type(instance).__name__,
+                field=attribute.name,
+                value=value,
+                reason=f"is not {what}",
+                allowed=names,
+            )
+
+    return check
 
 
 @attrs.frozen(kw_only=True)
@@ -107,7 +132,7 @@ class KVGeometry:
 
     attention: Attention = attrs.field(validator=instance_of(Attention))
     layout: KVLayout = attrs.field(validator=instance_of(KVLayout))
-    dtype: torch.dtype = attrs.field(validator=_kv_dtype)
+    dtype: torch.dtype = attrs.field(validator=dtype_in(KV_DTYPES, what="a KV cache element type"))
     layer_num: int = attrs.field(validator=positive_int)
     page_size: int = attrs.field(validator=positive_int)
     """Tokens per page."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 import attrs
 import numpy as np
@@ -29,7 +29,7 @@ from sglang_storage.errors import BackendUnavailableError, ConfigError, StateErr
 from sglang_storage.memory.base import HostPool, SlotPool
 from sglang_storage.memory.extents import ExtentAllocator, Run
 from sglang_storage.memory.host import HostMemory, cuda_available
-from sglang_storage.memory.layouts import bits_dtype
+from sglang_storage.memory.layouts import ELEMENT_DTYPES, bits_dtype, dtype_in
 from sglang_storage.memory.slots import as_slot_tensor
 from sglang_storage.memory.stats import PoolStats
 
@@ -39,23 +39,15 @@ BLOB_ALIGNMENT: Final = 4096
 """Blobs start on 4 KiB boundaries (O_DIRECT and DMA friendly)."""
 
 
-def _any_dtype(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, torch.dtype):
-        raise ConfigError(
-            owner=type(instance).__name__,
-            field=attribute.name,
-            value=value,
-            reason="must be a torch.dtype",
-        )
-
-
 @attrs.frozen(kw_only=True)
 class RecordPoolConfig:
     """Shape, element type and number of records."""
 
     shape: tuple[int, ...] = attrs.field(validator=tuple_of(positive_int))
     """The shape of one record, e.g. ``(top_k, 2)``."""
-    dtype: torch.dtype = attrs.field(validator=_any_dtype)
+    dtype: torch.dtype = attrs.field(
+        validator=dtype_in(ELEMENT_DTYPES, what="an element type a record pool can hold")
+    )
     capacity: int = attrs.field(validator=positive_int)
     """Number of records."""
     kind: DataKind = attrs.field(default=DataKind.RECORD, validator=instance_of(DataKind))
