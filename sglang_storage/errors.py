@@ -12,6 +12,8 @@ of the failure as attributes, so callers branch on type and fields, never on mes
   (not installed, not reachable, closed).
 - :class:`CorruptObjectError` - a stored object failed its integrity check; the data was
   not returned.
+- :class:`BackendIOError` - one I/O operation of a backend failed (an ``OSError``, a
+  vendor error code); the backend itself is still usable.
 - :class:`OperationTimeoutError` - an operation did not finish within its deadline. Also a
   ``TimeoutError``.
 - :class:`OperationCancelledError` - an operation was cancelled before it finished.
@@ -28,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 __all__ = [
+    "BackendIOError",
     "BackendUnavailableError",
     "CapacityError",
     "ConfigError",
@@ -159,6 +162,26 @@ class BackendUnavailableError(StorageError):
         self.backend = backend
         self.reason = reason
         super().__init__(f"backend {backend!r} is unavailable: {reason}")
+
+
+class BackendIOError(StorageError):
+    """One I/O operation of a backend failed; the backend stays usable.
+
+    Args:
+        backend: The backend's registered name.
+        operation: What was being done ("write of kv/tp0of2/ab12...").
+        reason: The underlying failure ("[Errno 5] Input/output error").
+        code: The underlying error number or vendor code, when there is one.
+    """
+
+    def __init__(
+        self, *, backend: str, operation: str, reason: str, code: int | None = None
+    ) -> None:
+        self.backend = backend
+        self.operation = operation
+        self.reason = reason
+        self.code = code
+        super().__init__(f"backend {backend!r}: {operation} failed: {reason}")
 
 
 class CorruptObjectError(StorageError):

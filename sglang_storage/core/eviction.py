@@ -1,42 +1,17 @@
-"""Value types and protocols that every layer shares.
+"""The eviction interface: what a bounded cache needs from an eviction policy.
 
-Part of the shared base below :mod:`sglang_storage.memory`: standard library and attrs only.
-Lower layers declare here what they need from higher ones, and higher layers implement it
-(DESIGN.md section 3):
-
-- :class:`DataKind` - the kinds of data the subsystem stores; the host memory budget
-  reserves per kind and stored objects are namespaced by kind.
-- :data:`Clock` - an injectable source of monotonic seconds (``time.monotonic`` in
-  production, a hand-driven clock in tests).
-- :class:`EvictionPolicy` - chooses victims for a bounded cache (host pools, the file
-  backend's capacity cap, the embedding cache). Implemented in :mod:`sglang_storage.policy`;
-  whoever owns a cache is handed one.
+Declared here, below every layer that owns a cache (host pools, the file backend's
+capacity cap, the embedding cache); implemented in :mod:`sglang_storage.policy`; whoever
+builds a cache hands it one.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Protocol, TypeVar
 
-__all__ = ["Clock", "DataKind", "EvictionPolicy"]
+__all__ = ["EvictionPolicy"]
 
-
-class DataKind(enum.Enum):
-    """A kind of data, each with its own host memory reservation and storage namespace."""
-
-    KV = "kv"
-    """KV cache pages (HiCache tiers, decode-side request KV, sparse KV)."""
-    EMBEDDING = "embedding"
-    """Encoder outputs (multimodal embeddings), variable numbers of rows."""
-    RECORD = "record"
-    """Fixed-shape records: RL top-k rows, rope/position info."""
-    WEIGHT = "weight"
-    """Large immutable blobs: expert weight shards."""
-
-
-Clock = Callable[[], float]
-"""Returns monotonic seconds; only differences between two readings mean anything."""
 
 K = TypeVar("K", bound=Hashable)
 
