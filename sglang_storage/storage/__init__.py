@@ -2,6 +2,47 @@
 
 Owns the backend protocol and its declared capabilities, the self-checking object format,
 SGLang-compatible keys, the registry, and the backends themselves (``file`` as the embedded
-default, ``mooncake``, ``hf3fs``). Backend-specific errors are translated into
-:mod:`sglang_storage.errors` here. Imports only the layers below it.
+default, ``memory``; ``mooncake`` and ``hf3fs`` to come). Backend-specific errors are
+translated into :mod:`sglang_storage.errors` here. Imports only the layers below it.
+
+- :class:`Backend` (:mod:`.backend`) - the protocol: ``exists``, ``prefix_hits``,
+  zero-copy ``get_into`` / ``put_from`` with typed per-key results, ``delete``,
+  ``clear(namespace)``, ``stats``, ``close`` and declared :class:`Capabilities`.
+- :mod:`.format` - the 512-byte header (format version, kind, dtype/shape/layout, model,
+  checksums) every object carries and every read verifies.
+- :mod:`.keys` - SGLang 0.5.23's page hash chain (``page_hashes``), bit-identical.
+- :class:`FileBackend` (:mod:`.file`) and :class:`MemoryBackend` (:mod:`.dram`).
+- :func:`create_backend` and friends (:mod:`.registry`) - backends by name, plug-ins
+  through the ``sglang_storage.backends`` entry point group.
 """
+
+from sglang_storage.storage.backend import Backend, BackendStats, Capabilities
+from sglang_storage.storage.dram import MemoryBackend, MemoryBackendConfig
+from sglang_storage.storage.file import Durability, FileBackend, FileBackendConfig
+from sglang_storage.storage.registry import (
+    ENTRY_POINT_GROUP,
+    BackendContext,
+    BackendEntry,
+    backend_entry,
+    backend_names,
+    create_backend,
+    register_backend,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "BackendContext",
+    "BackendEntry",
+    "BackendStats",
+    "Capabilities",
+    "Durability",
+    "FileBackend",
+    "FileBackendConfig",
+    "MemoryBackend",
+    "MemoryBackendConfig",
+    "backend_entry",
+    "backend_names",
+    "create_backend",
+    "register_backend",
+]

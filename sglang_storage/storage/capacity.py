@@ -1,0 +1,178 @@
+"""Byte accounting and capacity-driven eviction shared by the bounded backends.
+
+A backend keeps one :class:`CapacityIndex` of the objects it holds (key to stored size)
+and asks it for room before each write: :meth:`CapacityIndex.reserve` returns the victims
+the eviction policy chose, already untracked, which the backend then deletes from its
+medium. The policy is handed in by whoever builds the backend (the policy layer sits above
+storage); an unbounded index needs none.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+from sglang_storage.core import EvictionPolicy
+from sglang_storage.errors import CapacityError, ConfigError
+
+__all__ = ["CapacityIndex"]
+
+K = TypeVar("K", bound=Hashable)
+
+
+class CapacityIndex(Generic[K]):
+    """Thread-safe key-to-size index with an optional byte cap enforced by eviction.
+
+    Args:
+        capacity_bytes: The most bytes held at once, or ``None`` for no cap.
+        eviction: Chooses victims when a write needs room; required with a cap.
+        owner: Names the backend in errors ("file backend at /data/kv").
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int | None,
+        eviction: EvictionPolicy[K] | None,
+        *,
+        owner: str,
+    ) -> None:
+        if capacity_bytes is not None and eviction is None:
+            raise ConfigError(
+                owner=owner,
+                field="eviction",
+                reason="a capacity_bytes cap needs an eviction policy to choose victims",
+                allowed="an EvictionPolicy, e.g. make_eviction_policy(EvictionConfig(name='lru'))",
+            )
+        self._capacity = capacity_bytes
+        self._policy = eviction
+        self._owner = owner
+        self._sizes: dict[K, int] = {}
+        self._bytes = 0
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The cap, or ``None``."""
+        return self._capacity
+
+    @property
+    def bounded(self) -> bool:
+        """Whether a cap is enforced."""
+        return self._capacity is not None
+
+    def totals(self) -> tuple[int, int]:
+        """``(objects, bytes)`` currently indexed."""
+        with self._lock:
+            return len(self._sizes), self._bytes
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def size_of(self, key: K) -> int | None:
+        """The indexed size of ``key``, or ``None``."""
+        with self._lock:
+            return self._sizes.get(key)
+
+    def keys(self) -> list[K]:
+        """A snapshot of the indexed keys."""
+        with self._lock:
+            return list(self._sizes)
+
+    def reserve(self, size: int) -> list[K]:
+        """Make room for ``size`` more bytes; return the evicted keys (no longer indexed).
+
+        The reservation holds until :meth:`commit` or :meth:`release`.
+
+        Raises:
+            CapacityError: ``size`` exceeds the cap, or pinned objects leave too little
+                room; nothing was evicted.
+        """
+        with self._lock:
+            if self._capacity is None or self._policy is None:
+                self._pending += size
+                return []
+            used = self._bytes + self._pending
+            need = used + size - self._capacity
+            if size > self._capacity:
+                raise CapacityError(
+                    resource=f"{self._owner} capacity",
+                    requested=size,
+                    available=self._capacity,
+                    hint="the object is larger than the whole cap; raise capacity_bytes",
+                )
+            victims: list[K] = []
+            if need > 0:
+                victims = self._policy.evict(need)
+                sizes = {v: self._sizes.pop(v) for v in victims}
+                freed = sum(sizes.values())
+                self._bytes -= freed
+                if freed < need:
+                    # Not enough is evictable: put the victims back and refuse as a whole.
+                    for victim, victim_size in sizes.items():
+                        self._add_locked(victim, victim_size)
+                    raise CapacityError(
+                        resource=f"{self._owner} capacity",
+                        requested=size,
+                        available=max(0, self._capacity - used + freed),
+                        hint="the rest is pinned or reserved by writes in flight",
+                    )
+            self._pending += size
+            return victims
+
+    def release(self, size: int) -> None:
+        """Give back a reservation whose write failed."""
+        with self._lock:
+            self._pending -= size
+
+    def commit(self, key: K, size: int) -> None:
+        """Turn a reservation into an indexed object (replacing ``key``'s old size)."""
+        with self._lock:
+            self._pending -= size
+            self._add_locked(key, size)
+
+    def add(self, key: K, size: int) -> None:
+        """Index an object found on the medium (no reservation; may exceed the cap)."""
+        with self._lock:
+            self._add_locked(key, size)
+
+    def _add_locked(self, key: K, size: int) -> None:
+        old = self._sizes.get(key)
+        self._sizes[key] = size
+        self._bytes += size - (old or 0)
+        if self._policy is not None:
+            if old is None:
+                self._policy.insert(key, max(size, 1))
+            else:
+                self._policy.access(key)
+
+    def access(self, key: K) -> None:
+        """Record a hit on ``key`` for the eviction policy."""
+        with self._lock:
+            if self._policy is not None and key in self._sizes:
+                self._policy.access(key)
+
+    def remove(self, key: K) -> bool:
+        """Stop indexing ``key``; returns whether it was indexed."""
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            if size is None:
+                return False
+            self._bytes -= size
+            if self._policy is not None:
+                self._policy.remove(key)
+            return True
+
+    def over_capacity(self) -> list[K]:
+        """Evict until within the cap (after indexing a medium larger than it)."""
+        with self._lock:
+            if self._capacity is None or self._policy is None:
+                return []
+            need = self._bytes - self._capacity
+            if need <= 0:
+                return []
+            victims = self._policy.evict(need)
+            self._bytes -= sum(self._sizes.pop(v) for v in victims)
+            return victims

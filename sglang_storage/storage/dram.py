@@ -1,0 +1,219 @@
+"""The ``memory`` backend: objects in this process's DRAM.
+
+For single-process use and tests. Objects are kept in the same self-checking format as on
+disk and verified on every read, so it behaves exactly like the other backends, including
+corruption detection.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import attrs
+
+from sglang_storage.config import BYTES, optional, positive_int
+from sglang_storage.core import (
+    EvictionPolicy,
+    GetRequest,
+    GetResult,
+    Namespace,
+    ObjectKey,
+    PutRequest,
+    PutResult,
+)
+from sglang_storage.errors import BackendUnavailableError, CorruptObjectError, StorageError
+from sglang_storage.storage.backend import (
+    BackendStats,
+    Capabilities,
+    StatsRecorder,
+    count_prefix,
+)
+from sglang_storage.storage.capacity import CapacityIndex
+from sglang_storage.storage.format import (
+    HEADER_SIZE,
+    check_object,
+    checksum,
+    decode_header,
+    encode_header,
+)
+
+__all__ = ["MemoryBackend", "MemoryBackendConfig"]
+
+
+@attrs.frozen(kw_only=True)
+class MemoryBackendConfig:
+    """Options of the ``memory`` backend."""
+
+    capacity_bytes: int | None = attrs.field(
+        default=None, validator=optional(positive_int), metadata=BYTES
+    )
+    """The most bytes held (headers included); ``None`` for no cap. A cap needs an
+    eviction policy."""
+
+
+class MemoryBackend:
+    """An in-process store of self-checking objects.
+
+    Args:
+        config: Its options.
+        eviction: Chooses victims when ``config.capacity_bytes`` is reached.
+    """
+
+    name = "memory"
+
+    def __init__(
+        self,
+        config: MemoryBackendConfig | None = None,
+        *,
+        eviction: EvictionPolicy[ObjectKey] | None = None,
+    ) -> None:
+        self._config = config or MemoryBackendConfig()
+        self._index: CapacityIndex[ObjectKey] = CapacityIndex(
+            self._config.capacity_bytes, eviction, owner="memory backend"
+        )
+        self._objects: dict[ObjectKey, bytearray] = {}
+        self._lock = threading.Lock()
+        self._stats = StatsRecorder()
+        self._closed = False
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Zero copy; private to this process; gone when the process ends."""
+        return Capabilities(
+            zero_copy=True,
+            shared_across_processes=False,
+            shared_across_hosts=False,
+            durable=False,
+            bounded=self._index.bounded,
+        )
+
+    def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Whether each key is stored."""
+        self._check_open()
+        with self._lock:
+            return [key in self._objects for key in keys]
+
+    def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
+        """How many leading keys are stored."""
+        self._check_open()
+        with self._lock:
+            return count_prefix(key in self._objects for key in keys)
+
+    def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
+        """Verify and copy each requested object into its buffers."""
+        self._check_open()
+        results = [self._get(request) for request in requests]
+        self._stats.record_gets(results)
+        return results
+
+    def _get(self, request: GetRequest) -> GetResult:
+        with self._lock:
+            stored = self._objects.get(request.key)
+        if stored is None:
+            return GetResult.miss_of(request.key)
+        try:
+            view = memoryview(stored)
+            header = decode_header(view[:HEADER_SIZE], where=str(request.key))
+            reason = check_object(header, request.key, request.spec)
+            payload = view[HEADER_SIZE:]
+            if reason is None and payload.nbytes != header.payload_length:
+                reason = (
+                    f"holds {payload.nbytes} payload bytes, header says {header.payload_length}"
+                )
+            if reason is None and checksum([payload]) != header.payload_checksum:
+                reason = "payload checksum mismatch"
+            if reason is not None:
+                raise CorruptObjectError(key=str(request.key), reason=reason)
+        except CorruptObjectError as error:
+            self._drop(request.key, stored)
+            return GetResult.corrupt_of(request.key, error)
+        offset = 0
+        for buffer in request.buffers:
+            buffer[:] = payload[offset : offset + buffer.nbytes]
+            offset += buffer.nbytes
+        self._index.access(request.key)
+        return GetResult.hit_of(request)
+
+    def _drop(self, key: ObjectKey, stored: bytearray) -> None:
+        with self._lock:
+            if self._objects.get(key) is stored:
+                del self._objects[key]
+        self._index.remove(key)
+
+    def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
+        """Store a verified copy of each request's buffers; existing keys are kept."""
+        self._check_open()
+        results = [self._put(request) for request in requests]
+        self._stats.record_puts(results)
+        return results
+
+    def _put(self, request: PutRequest) -> PutResult:
+        with self._lock:
+            present = request.key in self._objects
+        if present:
+            self._index.access(request.key)
+            return PutResult.present_of(request.key)
+        size = HEADER_SIZE + request.nbytes
+        try:
+            victims = self._index.reserve(size)
+        except StorageError as error:
+            return PutResult.error_of(request.key, error)
+        try:
+            stored = bytearray(size)
+            stored[:HEADER_SIZE] = encode_header(
+                request.key, request.spec, checksum(request.buffers)
+            )
+            offset = HEADER_SIZE
+            for buffer in request.buffers:
+                stored[offset : offset + buffer.nbytes] = buffer
+                offset += buffer.nbytes
+        except BaseException:
+            self._index.release(size)
+            raise
+        with self._lock:
+            for victim in victims:
+                self._objects.pop(victim, None)
+            self._objects[request.key] = stored
+        self._index.commit(request.key, size)
+        self._stats.record_evicted(len(victims))
+        return PutResult.stored_of(request)
+
+    def delete(self, keys: Sequence[ObjectKey]) -> None:
+        """Remove the stored ones of ``keys``."""
+        self._check_open()
+        removed = 0
+        with self._lock:
+            for key in keys:
+                if self._objects.pop(key, None) is not None:
+                    removed += 1
+        for key in keys:
+            self._index.remove(key)
+        self._stats.record_deleted(removed)
+
+    def clear(self, namespace: Namespace) -> None:
+        """Remove every object of ``namespace``."""
+        self._check_open()
+        with self._lock:
+            doomed = [key for key in self._objects if key.namespace == namespace]
+            for key in doomed:
+                del self._objects[key]
+        for key in doomed:
+            self._index.remove(key)
+
+    def stats(self) -> BackendStats:
+        """Contents and counters."""
+        objects, nbytes = self._index.totals()
+        return self._stats.snapshot(
+            objects=objects, nbytes=nbytes, capacity_bytes=self._index.capacity_bytes
+        )
+
+    def close(self) -> None:
+        """Drop every object; later calls raise ``BackendUnavailableError``."""
+        with self._lock:
+            self._closed = True
+            self._objects.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendUnavailableError(backend=self.name, reason="the backend was closed")

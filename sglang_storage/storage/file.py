@@ -1,0 +1,570 @@
+"""The ``file`` backend: one self-checking file per object under a local directory.
+
+The embedded default. Layout under ``root``::
+
+    sglang-storage.json                      marker: format version
+    objects/<model>/<kind>/<shard>/<xx>/<name>  one object (header + payload); xx: 256 shards
+    tmp/<pid>.<random>.tmp                   writes in progress
+    quarantine/                              objects that failed verification
+
+Writes go to a temporary file, optionally fsync'ed, then are renamed into place, so a
+reader (in any process) sees either no object or a whole one, and concurrent writers of
+one key leave one whole object. A read is one ``preadv`` of header and payload straight
+into the caller's buffers, then verification; a failed check zeroes the buffers,
+quarantines the file and reports the key corrupt. Batches are spread over a few I/O
+threads (the system calls and the checksum release the GIL).
+
+Several processes (TP ranks) may share one root. Each keeps its own index of what is
+stored (rebuilt by a directory scan when it opens), learns of other processes' objects
+when it meets them, and enforces ``capacity_bytes`` over what it knows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Final, TypeVar
+
+import attrs
+import xxhash
+
+from sglang_storage.config import BYTES, instance_of, int_in_range, optional, positive_int
+from sglang_storage.core import (
+    DataKind,
+    EvictionPolicy,
+    GetRequest,
+    GetResult,
+    Namespace,
+    ObjectKey,
+    PutRequest,
+    PutResult,
+    Shard,
+)
+from sglang_storage.errors import (
+    BackendIOError,
+    BackendUnavailableError,
+    CapacityError,
+    ConfigError,
+    CorruptObjectError,
+    StorageError,
+)
+from sglang_storage.storage.backend import (
+    BackendStats,
+    Capabilities,
+    StatsRecorder,
+    count_prefix,
+    scrub,
+)
+from sglang_storage.storage.capacity import CapacityIndex
+from sglang_storage.storage.format import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    check_object,
+    checksum,
+    decode_header,
+    encode_header,
+)
+
+__all__ = ["Durability", "FileBackend", "FileBackendConfig"]
+
+log = logging.getLogger(__name__)
+
+MARKER: Final = "sglang-storage.json"
+_IOV_MAX: Final = 1024
+_SPACE_ERRNOS: Final = (errno.ENOSPC, errno.EDQUOT)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Durability(enum.Enum):
+    """How hard a write works to survive a crash before it is acknowledged."""
+
+    NONE = "none"
+    """No fsync. A crash of the host can lose recent objects (never corrupt a read:
+    damaged objects fail verification). SGLang's own file backend behaves like this."""
+    DATA = "data"
+    """fsync the object's file before renaming it into place."""
+    FULL = "full"
+    """fsync the file, rename, then fsync its directory: an acknowledged object survives
+    power loss."""
+
+
+@attrs.frozen(kw_only=True)
+class FileBackendConfig:
+    """Options of the ``file`` backend."""
+
+    root: Path = attrs.field(converter=Path, validator=instance_of(Path))
+    """The directory holding the store; created when missing."""
+    capacity_bytes: int | None = attrs.field(
+        default=None, validator=optional(positive_int), metadata=BYTES
+    )
+    """The most bytes this process keeps under ``root`` (headers included); ``None`` for
+    no cap. A cap needs an eviction policy."""
+    durability: Durability = attrs.field(default=Durability.NONE, validator=instance_of(Durability))
+    """When a write counts as done; see :class:`Durability`."""
+    io_threads: int = attrs.field(default=2, validator=int_in_range(1, 64))
+    """Threads a batch is spread over."""
+
+
+class FileBackend:
+    """Self-checking objects as files under one directory, shareable by local processes.
+
+    Args:
+        config: Its options.
+        eviction: Chooses victims when ``config.capacity_bytes`` is reached.
+
+    Raises:
+        BackendUnavailableError: ``root`` cannot be created or used, or holds a store of
+            another format version.
+    """
+
+    name = "file"
+
+    def __init__(
+        self,
+        config: FileBackendConfig,
+        *,
+        eviction: EvictionPolicy[ObjectKey] | None = None,
+    ) -> None:
+        self._config = config
+        self._root = config.root
+        self._objects_dir = self._root / "objects"
+        self._objects_prefix = f"{self._objects_dir}/"
+        self._tmp_dir = self._root / "tmp"
+        self._quarantine_dir = self._root / "quarantine"
+        self._index: CapacityIndex[ObjectKey] = CapacityIndex(
+            config.capacity_bytes, eviction, owner=f"file backend at {self._root}"
+        )
+        self._stats = StatsRecorder()
+        self._quarantined = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._prepare()
+        self._rebuild_index()
+
+    # ------------------------------------------------------------------ opening
+
+    def _prepare(self) -> None:
+        try:
+            for directory in (self._objects_dir, self._tmp_dir, self._quarantine_dir):
+                directory.mkdir(parents=True, exist_ok=True)
+            marker = self._root / MARKER
+            if marker.exists():
+                version = json.loads(marker.read_text()).get("format_version")
+                if version != FORMAT_VERSION:
+                    raise BackendUnavailableError(
+                        backend=self.name,
+                        reason=f"{self._root} holds a store of format version {version}; "
+                        f"this build writes version {FORMAT_VERSION} (use another root)",
+                    )
+            else:
+                tmp = self._tmp_dir / f"{os.getpid()}.{uuid.uuid4().hex}.marker"
+                tmp.write_text(json.dumps({"format_version": FORMAT_VERSION}) + "\n")
+                os.replace(tmp, marker)
+        except (OSError, ValueError) as error:
+            raise BackendUnavailableError(
+                backend=self.name, reason=f"cannot use {self._root}: {error}"
+            ) from error
+        self._remove_orphans()
+
+    def _remove_orphans(self) -> None:
+        """Delete temporary files left by processes that no longer run."""
+        for entry in os.scandir(self._tmp_dir):
+            pid_text = entry.name.split(".", 1)[0]
+            if pid_text.isdigit() and not _process_alive(int(pid_text)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+    def _rebuild_index(self) -> None:
+        """Index every object under ``objects/``, oldest first (the eviction order)."""
+        found: list[tuple[float, ObjectKey, int]] = []
+        for key, entry in self._scan():
+            try:
+                stat = entry.stat()
+            except FileNotFoundError:
+                continue
+            found.append((stat.st_mtime, key, stat.st_size))
+        found.sort(key=lambda item: item[0])
+        for _, key, size in found:
+            self._index.add(key, size)
+        self._delete_files(self._index.over_capacity())
+
+    def _scan(self) -> Iterator[tuple[ObjectKey, os.DirEntry[str]]]:
+        for model in _subdirs(self._objects_dir):
+            for kind in _subdirs(Path(model.path)):
+                for shard in _subdirs(Path(kind.path)):
+                    namespace = _namespace_of(model.name, kind.name, shard.name)
+                    if namespace is None:
+                        continue
+                    for fan in _subdirs(Path(shard.path)):
+                        for entry in os.scandir(fan.path):
+                            key = _key_of(namespace, entry.name)
+                            if key is not None and entry.is_file(follow_symlinks=False):
+                                yield key, entry
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def root(self) -> Path:
+        """The store's directory."""
+        return self._root
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Zero copy, shareable by processes on this host, durable across restarts."""
+        return Capabilities(
+            zero_copy=True,
+            shared_across_processes=True,
+            shared_across_hosts=False,
+            durable=True,
+            bounded=self._index.bounded,
+        )
+
+    def path_of(self, key: ObjectKey) -> Path:
+        """Where ``key``'s object lives."""
+        return Path(self._path(key))
+
+    def _path(self, key: ObjectKey) -> str:
+        # A str, not a Path: this runs once per key on every operation.
+        fan = xxhash.xxh32_intdigest(key.name.encode()) & 0xFF
+        return f"{self._objects_prefix}{key.namespace.path}/{fan:02x}/{key.name}"
+
+    def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Whether each key is stored (by this or another process)."""
+        self._check_open()
+        return [self._exists(key) for key in keys]
+
+    def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
+        """How many leading keys are stored."""
+        self._check_open()
+        return count_prefix(self._exists(key) for key in keys)
+
+    def _exists(self, key: ObjectKey) -> bool:
+        return os.path.exists(self._path(key))
+
+    def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
+        """Read and verify each requested object straight into its buffers."""
+        self._check_open()
+        results = self._spread(self._get, requests)
+        self._stats.record_gets(results)
+        return results
+
+    def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
+        """Write each request's buffers as a whole file; existing keys are kept."""
+        self._check_open()
+        results = self._spread(self._put, requests)
+        self._stats.record_puts(results)
+        return results
+
+    def delete(self, keys: Sequence[ObjectKey]) -> None:
+        """Remove the stored ones of ``keys``."""
+        self._check_open()
+        removed = 0
+        for key in keys:
+            self._index.remove(key)
+            try:
+                os.unlink(self._path(key))
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                raise _io_error(self.name, f"delete of {key}", error) from error
+        self._stats.record_deleted(removed)
+
+    def clear(self, namespace: Namespace) -> None:
+        """Remove every object of ``namespace`` (other namespaces are untouched)."""
+        self._check_open()
+        directory = self._objects_dir / namespace.path
+        doomed = self._tmp_dir / f"{os.getpid()}.{uuid.uuid4().hex}.clear"
+        try:
+            # Renaming first makes the namespace vanish at once for every process.
+            os.rename(directory, doomed)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise _io_error(self.name, f"clear of {namespace.path}", error) from error
+        else:
+            shutil.rmtree(doomed, ignore_errors=True)
+        for key in self._index.keys():  # noqa: SIM118 - a snapshot, not a dict
+            if key.namespace == namespace:
+                self._index.remove(key)
+
+    def stats(self) -> BackendStats:
+        """Contents (as this process knows them) and counters."""
+        objects, nbytes = self._index.totals()
+        return self._stats.snapshot(
+            objects=objects, nbytes=nbytes, capacity_bytes=self._index.capacity_bytes
+        )
+
+    @property
+    def quarantined(self) -> int:
+        """Objects this instance moved to quarantine after a failed check."""
+        with self._lock:
+            return self._quarantined
+
+    def close(self) -> None:
+        """Stop the I/O threads; later calls raise ``BackendUnavailableError``."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> FileBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ reads
+
+    def _get(self, request: GetRequest) -> GetResult:
+        key = request.key
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._index.remove(key)
+            return GetResult.miss_of(key)
+        except OSError as error:
+            return GetResult.error_of(key, _io_error(self.name, f"open of {key}", error))
+        header = bytearray(HEADER_SIZE)
+        extra = bytearray(1)
+        try:
+            got = _readv_full(fd, [memoryview(header), *request.buffers, memoryview(extra)], 0)
+            reason = self._verify(request, header, got)
+            if reason is not None:
+                scrub(request.buffers)
+                self._quarantine(fd, key, path)
+                corrupt = CorruptObjectError(key=str(key), reason=reason)
+                log.warning("file backend: %s; quarantined", corrupt)
+                return GetResult.corrupt_of(key, corrupt)
+        except OSError as error:
+            scrub(request.buffers)
+            return GetResult.error_of(key, _io_error(self.name, f"read of {key}", error))
+        finally:
+            os.close(fd)
+        if key in self._index:
+            self._index.access(key)
+        else:
+            self._index.add(key, HEADER_SIZE + request.nbytes)
+        return GetResult.hit_of(request)
+
+    def _verify(self, request: GetRequest, header: bytearray, got: int) -> str | None:
+        try:
+            decoded = decode_header(header[: min(got, HEADER_SIZE)], where=str(request.key))
+        except CorruptObjectError as error:
+            return error.reason
+        reason = check_object(decoded, request.key, request.spec)
+        if reason is not None:
+            return reason
+        expected = HEADER_SIZE + request.nbytes
+        if got < expected:
+            return f"truncated: {got - HEADER_SIZE} of {request.nbytes} payload bytes"
+        if got > expected:
+            return "has bytes after its payload"
+        if checksum(request.buffers) != decoded.payload_checksum:
+            return "payload checksum mismatch"
+        return None
+
+    def _quarantine(self, fd: int, key: ObjectKey, path: str) -> None:
+        """Move the corrupt file aside, unless another process has replaced it meanwhile."""
+        self._index.remove(key)
+        try:
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                return
+            target = self._quarantine_dir / f"{time.time_ns()}.{os.getpid()}.{key.name}"
+            os.rename(path, target)
+        except OSError:
+            return
+        with self._lock:
+            self._quarantined += 1
+
+    # ------------------------------------------------------------------ writes
+
+    def _put(self, request: PutRequest) -> PutResult:
+        key = request.key
+        path = self._path(key)
+        if os.path.exists(path):
+            self._index.access(key)
+            return PutResult.present_of(key)
+        size = HEADER_SIZE + request.nbytes
+        try:
+            victims = self._index.reserve(size)
+        except StorageError as error:
+            return PutResult.error_of(key, error)
+        self._delete_files(victims)
+        try:
+            self._write(request, path)
+        except OSError as error:
+            self._index.release(size)
+            return PutResult.error_of(key, self._write_error(key, size, error))
+        self._index.commit(key, size)
+        return PutResult.stored_of(request)
+
+    def _write(self, request: PutRequest, path: str) -> None:
+        durability = self._config.durability
+        header = encode_header(request.key, request.spec, checksum(request.buffers))
+        tmp = f"{self._tmp_dir}/{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                _writev_full(fd, [memoryview(header), *request.buffers])
+                if durability is not Durability.NONE:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.replace(tmp, path)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        if durability is Durability.FULL:
+            _fsync_dir(os.path.dirname(path))
+
+    def _write_error(self, key: ObjectKey, size: int, error: OSError) -> StorageError:
+        if error.errno in _SPACE_ERRNOS:
+            try:
+                usage = shutil.disk_usage(self._root)
+                free = usage.free
+            except OSError:
+                free = 0
+            return CapacityError(
+                resource=f"disk space under {self._root}",
+                requested=size,
+                available=free,
+                hint=f"writing {key} failed: {error.strerror}",
+            )
+        return _io_error(self.name, f"write of {key}", error)
+
+    def _delete_files(self, keys: Sequence[ObjectKey]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(key))
+        self._stats.record_evicted(len(keys))
+
+    # ------------------------------------------------------------------ threads
+
+    def _spread(self, work: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        threads = self._config.io_threads
+        if threads == 1 or len(items) < 2:
+            return [work(item) for item in items]
+        pool = self._executor()
+        chunk = -(-len(items) // threads)
+        parts = [items[i : i + chunk] for i in range(0, len(items), chunk)]
+        futures = [pool.submit(_run_all, work, part) for part in parts[1:]]
+        results = _run_all(work, parts[0])
+        for future in futures:
+            results.extend(future.result())
+        return results
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise BackendUnavailableError(backend=self.name, reason="the backend was closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self._config.io_threads - 1,
+                    thread_name_prefix="sglang-storage-file",
+                )
+            return self._pool
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendUnavailableError(backend=self.name, reason="the backend was closed")
+
+
+def _run_all(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    return [work(item) for item in items]
+
+
+def _readv_full(fd: int, views: list[memoryview], offset: int) -> int:
+    """Read into ``views`` from ``offset`` until they are full or the file ends."""
+    total = 0
+    pending = [v for v in views if v.nbytes]
+    while pending:
+        got = os.preadv(fd, pending[:_IOV_MAX], offset + total)
+        if got == 0:
+            break
+        total += got
+        pending = _advance(pending, got)
+    return total
+
+
+def _writev_full(fd: int, views: list[memoryview]) -> None:
+    pending = [v for v in views if v.nbytes]
+    while pending:
+        written = os.writev(fd, pending[:_IOV_MAX])
+        pending = _advance(pending, written)
+
+
+def _advance(views: list[memoryview], count: int) -> list[memoryview]:
+    """Drop ``count`` bytes from the front of ``views``."""
+    index = 0
+    while index < len(views) and count >= views[index].nbytes:
+        count -= views[index].nbytes
+        index += 1
+    rest = views[index:]
+    if rest and count:
+        rest[0] = rest[0][count:]
+    return rest
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _io_error(backend: str, operation: str, error: OSError) -> BackendIOError:
+    return BackendIOError(backend=backend, operation=operation, reason=str(error), code=error.errno)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _subdirs(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        return [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _namespace_of(model: str, kind: str, shard: str) -> Namespace | None:
+    try:
+        return Namespace(model=model, kind=DataKind(kind), shard=Shard.from_label(shard))
+    except (ValueError, ConfigError):
+        return None
+
+
+def _key_of(namespace: Namespace, name: str) -> ObjectKey | None:
+    try:
+        return ObjectKey(namespace=namespace, name=name)
+    except ConfigError:
+        return None
