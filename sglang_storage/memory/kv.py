@@ -13,6 +13,9 @@ Contract, one line per primitive:
 - ``layer(i)`` - per-layer views ``(pages, page_size, H, D)`` of K and V (or the latent).
 - ``page_regions(pages)`` - ``(address, nbytes)`` runs for zero-copy backends, in the order
   SGLang's ``get_page_buffer_meta`` lists them.
+- ``page_views(p)`` / ``page_spec`` - byte views of one page whose concatenation is SGLang's
+  flat data page (what its ``HiCacheFile`` stores), and the object spec that describes
+  it: the buffers and spec of a zero-copy storage get or put.
 - ``stats()`` / ``close()`` - usage in bytes; give the memory back to the budget.
 
 Pages are addressed by page number ``0 .. num_pages-1``; ``geometry.token_indices(pages)``
@@ -27,7 +30,7 @@ import attrs
 import numpy as np
 import torch
 
-from sglang_storage.core import DataKind
+from sglang_storage.core import DataKind, ObjectSpec
 from sglang_storage.errors import ConfigError
 from sglang_storage.memory.base import SlotPool
 from sglang_storage.memory.host import HostMemory
@@ -85,6 +88,7 @@ class KVHostPool(SlotPool):
         # Pages move as integers of the element's size: exact, and every dtype has kernels.
         self._bits = bits_dtype(g.dtype)
         self._paged_bits = self._paged.view(self._bits)
+        self._bytes = self._check_open().tensor.numpy()
 
     # ------------------------------------------------------------------ facts
 
@@ -214,6 +218,34 @@ class KVHostPool(SlotPool):
             for p in index:
                 regions += [(base + p * run + plane * plane_bytes, run) for plane in planes]
         return regions
+
+    @property
+    def page_spec(self) -> ObjectSpec:
+        """The spec of one stored page: element type, page shape and this layout."""
+        g = self._geometry
+        return ObjectSpec(
+            dtype=str(g.dtype).removeprefix("torch."), shape=g.page_shape, layout=g.layout.value
+        )
+
+    def page_views(self, page: int) -> tuple[memoryview, ...]:
+        """Writable byte views of ``page`` whose concatenation is its flat data page.
+
+        The order is SGLang's ``get_data_page(flat=True)`` (K then V; per layer for
+        ``layer_first``), so a stored page holds the same payload bytes as SGLang's own
+        file backend writes. Contiguous layouts give one view per plane.
+        """
+        self._check_open()
+        self._check_page(page)
+        g = self._geometry
+        plane_bytes = g.total_bytes // g.kv_planes
+        run = self._chunk * g.itemsize
+        outer_bytes = g.num_pages * run
+        return tuple(
+            memoryview(self._bytes[start : start + run])
+            for plane in range(self._planes)
+            for outer in range(self._outer)
+            for start in (plane * plane_bytes + outer * outer_bytes + page * run,)
+        )
 
     # ------------------------------------------------------------------ stats
 

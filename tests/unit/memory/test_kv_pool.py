@@ -447,6 +447,40 @@ def test_page_regions_cover_each_page(
         assert b"".join(ordered) == raw_bytes(reference_page(pool, p))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize(("attention", "layout"), COMBOS, ids=COMBO_IDS)
+def test_page_views_concatenate_to_the_flat_page(
+    make_pool: PoolFactory, attention: Attention, layout: KVLayout, dtype: torch.dtype
+) -> None:
+    pool = make_pool(attention, layout, dtype)
+    g = pool.geometry
+    fill_random(pool, seed=5)
+    for p in range(g.num_pages):
+        views = pool.page_views(p)
+        per_page = g.kv_planes * (g.layer_num if layout is LAYER_FIRST else 1)
+        assert len(views) == per_page
+        assert all(not v.readonly and v.c_contiguous for v in views)
+        assert b"".join(bytes(v) for v in views) == raw_bytes(reference_page(pool, p))
+    spec = pool.page_spec
+    assert spec.nbytes == g.page_bytes
+    assert spec.shape == g.page_shape
+    assert spec.layout == layout.value
+    assert spec.dtype == str(dtype).removeprefix("torch.")
+
+
+def test_page_views_write_through_to_the_pool(make_pool: PoolFactory) -> None:
+    pool = make_pool(MHA, LAYER_FIRST, torch.bfloat16)
+    g = pool.geometry
+    data = bytes(range(256)) * (g.page_bytes // 256 + 1)
+    offset = 0
+    for view in pool.page_views(2):
+        view[:] = data[offset : offset + view.nbytes]
+        offset += view.nbytes
+    assert raw_bytes(reference_page(pool, 2)) == data[: g.page_bytes]
+    with pytest.raises(ConfigError):
+        pool.page_views(g.num_pages)
+
+
 # ---------------------------------------------------------------- allocation, stats, life cycle
 
 
