@@ -88,7 +88,7 @@ class KVHostPool(SlotPool):
         # Pages move as integers of the element's size: exact, and every dtype has kernels.
         self._bits = bits_dtype(g.dtype)
         self._paged_bits = self._paged.view(self._bits)
-        self._bytes = self._check_open().tensor.numpy()
+        self._bytes = self._check_open().tensor.numpy().data
 
     # ------------------------------------------------------------------ facts
 
@@ -241,7 +241,7 @@ class KVHostPool(SlotPool):
         run = self._chunk * g.itemsize
         outer_bytes = g.num_pages * run
         return tuple(
-            memoryview(self._bytes[start : start + run])
+            self._bytes[start : start + run]
             for plane in range(self._planes)
             for outer in range(self._outer)
             for start in (plane * plane_bytes + outer * outer_bytes + page * run,)
