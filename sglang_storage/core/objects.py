@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import attrs
@@ -278,6 +278,11 @@ def as_byte_view(buffer: object, *, writable: bool = False, owner: str = "buffer
     return view
 
 
+def _buffer_tuple(value: Iterable[object]) -> tuple[memoryview, ...]:
+    """Any iterable of buffers as a tuple; each is checked and viewed as bytes afterwards."""
+    return tuple(value)  # type: ignore[arg-type]
+
+
 def _check_buffers(instance: Any, *, writable: bool) -> None:
     owner = type(instance).__name__
     views = tuple(as_byte_view(b, writable=writable, owner=owner) for b in instance.buffers)
@@ -303,7 +308,7 @@ class GetRequest:
 
     key: ObjectKey = attrs.field(validator=instance_of(ObjectKey))
     spec: ObjectSpec = attrs.field(validator=instance_of(ObjectSpec))
-    buffers: tuple[memoryview, ...] = attrs.field(converter=tuple)
+    buffers: tuple[memoryview, ...] = attrs.field(converter=_buffer_tuple)
 
     def __attrs_post_init__(self) -> None:
         _check_buffers(self, writable=True)
@@ -320,7 +325,7 @@ class PutRequest:
 
     key: ObjectKey = attrs.field(validator=instance_of(ObjectKey))
     spec: ObjectSpec = attrs.field(validator=instance_of(ObjectSpec))
-    buffers: tuple[memoryview, ...] = attrs.field(converter=tuple)
+    buffers: tuple[memoryview, ...] = attrs.field(converter=_buffer_tuple)
 
     def __attrs_post_init__(self) -> None:
         _check_buffers(self, writable=False)

@@ -28,6 +28,7 @@ from sglang_storage.storage.backend import (
     Capabilities,
     StatsRecorder,
     count_prefix,
+    scrub,
 )
 from sglang_storage.storage.capacity import CapacityIndex
 from sglang_storage.storage.format import (
@@ -126,6 +127,7 @@ class MemoryBackend:
             if reason is not None:
                 raise CorruptObjectError(key=str(request.key), reason=reason)
         except CorruptObjectError as error:
+            scrub(request.buffers)
             self._drop(request.key, stored)
             return GetResult.corrupt_of(request.key, error)
         offset = 0
@@ -139,7 +141,7 @@ class MemoryBackend:
         with self._lock:
             if self._objects.get(key) is stored:
                 del self._objects[key]
-        self._index.remove(key)
+                self._index.remove(key)
 
     def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
         """Store a verified copy of each request's buffers; existing keys are kept."""
@@ -203,6 +205,7 @@ class MemoryBackend:
 
     def stats(self) -> BackendStats:
         """Contents and counters."""
+        self._check_open()
         objects, nbytes = self._index.totals()
         return self._stats.snapshot(
             objects=objects, nbytes=nbytes, capacity_bytes=self._index.capacity_bytes

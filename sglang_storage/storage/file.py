@@ -163,7 +163,8 @@ class FileBackend:
                 directory.mkdir(parents=True, exist_ok=True)
             marker = self._root / MARKER
             if marker.exists():
-                version = json.loads(marker.read_text()).get("format_version")
+                content = json.loads(marker.read_text())
+                version = content.get("format_version") if isinstance(content, dict) else None
                 if version != FORMAT_VERSION:
                     raise BackendUnavailableError(
                         backend=self.name,
@@ -174,17 +175,21 @@ class FileBackend:
                 tmp = self._tmp_dir / f"{os.getpid()}.{uuid.uuid4().hex}.marker"
                 tmp.write_text(json.dumps({"format_version": FORMAT_VERSION}) + "\n")
                 os.replace(tmp, marker)
+            self._remove_orphans()
         except (OSError, ValueError) as error:
             raise BackendUnavailableError(
                 backend=self.name, reason=f"cannot use {self._root}: {error}"
             ) from error
-        self._remove_orphans()
 
     def _remove_orphans(self) -> None:
         """Delete temporary files left by processes that no longer run."""
         for entry in os.scandir(self._tmp_dir):
             pid_text = entry.name.split(".", 1)[0]
             if pid_text.isdigit() and not _process_alive(int(pid_text)):
+                if entry.is_dir(follow_symlinks=False):
+                    # A namespace a dead process was clearing.
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    continue
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
 
@@ -212,7 +217,13 @@ class FileBackend:
                     for fan in _subdirs(Path(shard.path)):
                         for entry in os.scandir(fan.path):
                             key = _key_of(namespace, entry.name)
-                            if key is not None and entry.is_file(follow_symlinks=False):
+                            # A file outside its own fan directory is not where path_of
+                            # looks: it is no object of this store (fsck reports it).
+                            if (
+                                key is not None
+                                and fan.name == _fan(key.name)
+                                and entry.is_file(follow_symlinks=False)
+                            ):
                                 yield key, entry
 
     # ------------------------------------------------------------------ protocol
@@ -239,8 +250,7 @@ class FileBackend:
 
     def _path(self, key: ObjectKey) -> str:
         # A str, not a Path: this runs once per key on every operation.
-        fan = xxhash.xxh32_intdigest(key.name.encode()) & 0xFF
-        return f"{self._objects_prefix}{key.namespace.path}/{fan:02x}/{key.name}"
+        return f"{self._objects_prefix}{key.namespace.path}/{_fan(key.name)}/{key.name}"
 
     def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key is stored (by this or another process)."""
@@ -304,6 +314,7 @@ class FileBackend:
 
     def stats(self) -> BackendStats:
         """Contents (as this process knows them) and counters."""
+        self._check_open()
         objects, nbytes = self._index.totals()
         return self._stats.snapshot(
             objects=objects, nbytes=nbytes, capacity_bytes=self._index.capacity_bytes
@@ -489,6 +500,11 @@ class FileBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise BackendUnavailableError(backend=self.name, reason="the backend was closed")
+
+
+def _fan(name: str) -> str:
+    """The shard directory of an object name: 256 of them per namespace."""
+    return f"{xxhash.xxh32_intdigest(name.encode()) & 0xFF:02x}"
 
 
 def _run_all(work: Callable[[T], R], items: Sequence[T]) -> list[R]:

@@ -105,9 +105,9 @@ def encode_header(key: ObjectKey, spec: ObjectSpec, payload_checksum: int) -> by
             by their own types; only an extreme shard label can exceed it).
     """
     ns = key.namespace
-    strings = (ns.model, ns.shard.label, key.name, spec.dtype, spec.layout)
-    tail = b"".join(len(raw).to_bytes(1, "little") + raw for raw in (s.encode() for s in strings))
-    if _FIXED.size + len(tail) > HEADER_SIZE:
+    strings = [s.encode() for s in (ns.model, ns.shard.label, key.name, spec.dtype, spec.layout)]
+    tail = b"".join(min(len(raw), 255).to_bytes(1, "little") + raw for raw in strings)
+    if _FIXED.size + len(tail) > HEADER_SIZE or any(len(raw) > 255 for raw in strings):
         raise ConfigError(
             owner="object header",
             field="key",
