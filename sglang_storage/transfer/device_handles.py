@@ -1,0 +1,345 @@
+"""Handles of device<->host transfers, and the layer-done counter forward passes wait on.
+
+- :class:`DeviceTransferHandle` - one transfer: ``done()`` / ``state`` (never block),
+  ``wait()`` (blocks on an event) returns the :class:`DeviceTransferResult`, ``fence()``
+  makes the current CUDA stream wait for it.
+- :class:`DeviceLoadHandle` - a load, plus ``wait_layer(i)``: the current CUDA stream
+  waits for layer ``i`` only.
+- :class:`LayerDoneCounter` - SGLang's ``LayerDoneCounter``: ``set_consumer(loads)`` per
+  batch, ``wait(layer)`` per layer.
+
+Handles are created by :class:`~sglang_storage.transfer.device.DeviceHostPipeline` only;
+see its module for the life cycle and the threading rules. :class:`TransferEvents` and
+:class:`TransferLedger` are the pipeline's internals (not exported from the package).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from sglang_storage.config import require_int
+from sglang_storage.errors import ConfigError, StateError, StorageError
+from sglang_storage.memory import KVHostPool
+from sglang_storage.transfer.device_types import (
+    CopyDirection,
+    CopyMetrics,
+    DeviceTransferMetrics,
+    DeviceTransferResult,
+    DeviceTransferState,
+)
+from sglang_storage.transfer.io import CopyPlan
+
+if TYPE_CHECKING:
+    from sglang_storage.transfer.device import DeviceHostPipeline
+
+__all__ = [
+    "DeviceLoadHandle",
+    "DeviceTransferHandle",
+    "LayerDoneCounter",
+    "TransferEvents",
+    "TransferLedger",
+]
+
+
+def _finished(event: torch.cuda.Event) -> bool:
+    return bool(event.query())  # type: ignore[no-untyped-call]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class TransferEvents:
+    """A CUDA transfer's events: timing bounds and, for loads, one per layer (internal)."""
+
+    start: torch.cuda.Event
+    """Recorded on the transfer stream before the copies (timing enabled)."""
+    finish: torch.cuda.Event
+    """Recorded after every copy (timing enabled; a host waiting on it sleeps)."""
+    layers: tuple[torch.cuda.Event, ...]
+    """A load's per-layer events, recorded as each layer lands; empty for an offload."""
+
+    @classmethod
+    def create(cls, layers: int) -> TransferEvents:
+        """Fresh events for a transfer with ``layers`` per-layer events."""
+
+        def event(*, timing: bool = False, blocking: bool = False) -> torch.cuda.Event:
+            return torch.cuda.Event(enable_timing=timing, blocking=blocking)  # type: ignore[no-untyped-call]
+
+        return cls(
+            start=event(timing=True),
+            # Blocking: a host waiting on it sleeps instead of spinning.
+            finish=event(timing=True, blocking=True),
+            layers=tuple(event() for _ in range(layers)),
+        )
+
+
+class TransferLedger:
+    """A pipeline's books (internal): transfers in flight, results not yet returned, totals.
+
+    Handles report here when they finish (their host pages are unpinned then) and when
+    their result is returned through ``wait()``; the pipeline reads the rest.
+    """
+
+    def __init__(self, host: KVHostPool) -> None:
+        self._host = host
+        self._in_flight: dict[int, DeviceTransferHandle] = {}
+        self._results: dict[int, DeviceTransferResult] = {}
+        self._totals = {direction: CopyMetrics() for direction in CopyDirection}
+
+    def opened(self, handle: DeviceTransferHandle) -> None:
+        """``handle`` was submitted; its host pages are pinned."""
+        self._in_flight[handle.transfer_id] = handle
+
+    def finished(self, handle: DeviceTransferHandle, result: DeviceTransferResult) -> None:
+        """``handle``'s copies are over: unpin its pages, count it, keep its result."""
+        del self._in_flight[handle.transfer_id]
+        self._host.unpin(handle.host_pages)
+        self._results[result.transfer_id] = result
+        self._totals[result.direction] = self._totals[result.direction].add(result)
+
+    def delivered(self, transfer_id: int) -> None:
+        """The result of ``transfer_id`` was returned through its handle."""
+        self._results.pop(transfer_id, None)
+
+    def in_flight(self) -> list[DeviceTransferHandle]:
+        """The transfers not yet finished, in submission order."""
+        return list(self._in_flight.values())
+
+    def take_results(self) -> list[DeviceTransferResult]:
+        """The results not yet returned, in submission order; they count as returned now."""
+        results = [self._results[key] for key in sorted(self._results)]
+        self._results.clear()
+        return results
+
+    def metrics(self) -> DeviceTransferMetrics:
+        """A snapshot of the totals."""
+        return DeviceTransferMetrics(
+            offload=self._totals[CopyDirection.OFFLOAD],
+            load=self._totals[CopyDirection.LOAD],
+            in_flight=len(self._in_flight),
+        )
+
+
+class DeviceTransferHandle:
+    """One device<->host transfer, made by the pipeline that submitted it.
+
+    ``done()`` and ``state`` never block; ``wait()`` blocks (on an event, not by polling)
+    and returns the result. A finished transfer's host pages are unpinned the first time
+    any of them (or the pipeline's ``poll``) sees it finished.
+    """
+
+    def __init__(
+        self,
+        *,
+        pipeline: DeviceHostPipeline,
+        ledger: TransferLedger,
+        transfer_id: int,
+        direction: CopyDirection,
+        host_pages: torch.Tensor,
+        nbytes: int,
+        events: TransferEvents | None,
+        plan: CopyPlan | None,
+        error: StorageError | None,
+        wall_s: float,
+    ) -> None:
+        self._pipeline = pipeline
+        self._ledger = ledger
+        self._id = transfer_id
+        self._direction = direction
+        self._host_pages = host_pages
+        self._nbytes = nbytes
+        self._events = events
+        self._plan = plan  # keeps the index tensors alive while the copies run
+        self._error = error
+        self._wall_s = wall_s  # the latency where there are no events (CPU)
+        self._result: DeviceTransferResult | None = None
+        ledger.opened(self)
+        if events is None:
+            self._finish()
+
+    @property
+    def pipeline(self) -> DeviceHostPipeline:
+        """The pipeline that submitted the transfer."""
+        return self._pipeline
+
+    @property
+    def transfer_id(self) -> int:
+        """The pipeline's number for this transfer."""
+        return self._id
+
+    @property
+    def direction(self) -> CopyDirection:
+        """Offload (D2H) or load (H2D)."""
+        return self._direction
+
+    @property
+    def host_pages(self) -> torch.Tensor:
+        """The host pages the transfer reads or writes (pinned until it finishes)."""
+        return self._host_pages
+
+    @property
+    def pages(self) -> int:
+        """How many pages the transfer moves."""
+        return self._host_pages.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """How many bytes the transfer moves."""
+        return self._nbytes
+
+    @property
+    def state(self) -> DeviceTransferState:
+        """``IN_FLIGHT`` until the copies finish, then ``DONE`` or ``FAILED``."""
+        if not self.done():
+            return DeviceTransferState.IN_FLIGHT
+        assert self._result is not None
+        return self._result.state
+
+    def done(self) -> bool:
+        """Whether the transfer has finished; never blocks."""
+        if self._result is None and (self._events is None or _finished(self._events.finish)):
+            self._finish()
+        return self._result is not None
+
+    def wait(self) -> DeviceTransferResult:
+        """Block until the transfer finishes and return its result (also when it failed)."""
+        if self._result is None:
+            if self._events is not None:
+                self._events.finish.synchronize()
+            self._finish()
+        assert self._result is not None
+        self._ledger.delivered(self._id)
+        return self._result
+
+    def fence(self) -> None:
+        """Make the current CUDA stream wait for this transfer, without blocking the host.
+
+        No-op on CPU, where the transfer has finished already.
+        """
+        if self._events is not None:
+            torch.cuda.current_stream(self._pipeline.device).wait_event(self._events.finish)
+
+    def __repr__(self) -> str:
+        state = self._result.state.value if self._result is not None else "in_flight"
+        return (
+            f"<{type(self).__name__} #{self._id} {self._direction.value} "
+            f"{self.pages} pages {self._nbytes} B {state}>"
+        )
+
+    def _finish(self) -> None:
+        """Record the result of the finished copies and report it to the ledger."""
+        if self._events is None:
+            latency = self._wall_s
+        else:
+            latency = float(self._events.start.elapsed_time(self._events.finish)) / 1000.0
+        self._result = DeviceTransferResult(
+            transfer_id=self._id,
+            direction=self._direction,
+            state=DeviceTransferState.DONE if self._error is None else DeviceTransferState.FAILED,
+            pages=self.pages,
+            nbytes=self._nbytes,
+            latency_s=latency,
+            error=self._error,
+        )
+        self._plan = None
+        self._ledger.finished(self, self._result)
+
+
+def _check_layer(layer: int, layers: int, *, owner: str) -> None:
+    require_int(layer, owner=owner, field="layer")
+    if layer >= layers:
+        raise ConfigError(
+            owner=owner,
+            field="layer",
+            value=layer,
+            reason="is out of range",
+            allowed=f"0 .. {layers - 1}",
+        )
+
+
+class DeviceLoadHandle(DeviceTransferHandle):
+    """A load (H2D): also tells a forward pass when each layer has landed."""
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current CUDA stream wait until layer ``layer`` is on the device.
+
+        Does not block the host. On CPU the load has finished already.
+
+        Raises:
+            ConfigError: ``layer`` is out of range.
+            StateError: the load failed while being submitted; the layer is not usable.
+        """
+        _check_layer(layer, self._pipeline.layer_num, owner="DeviceLoadHandle.wait_layer")
+        if self._error is not None:
+            raise StateError(
+                subject=f"load #{self._id}",
+                reason=f"failed, layer {layer} is not loaded: {self._error}",
+            )
+        if self._events is not None:
+            stream = torch.cuda.current_stream(self._pipeline.device)
+            stream.wait_event(self._events.layers[layer])
+
+
+class LayerDoneCounter:
+    """What a forward pass waits on so that layer ``i`` waits only for layer ``i``'s KV.
+
+    SGLang's ``LayerDoneCounter`` semantics: the scheduler names the load(s) of the batch
+    about to run with :meth:`set_consumer`; the attention of layer ``i`` calls
+    :meth:`wait` (SGLang's ``wait_until(i)``), which makes the current CUDA stream wait for
+    layer ``i`` of those loads only. With no consumer, :meth:`wait` returns at once.
+    Any number of loads may be in flight; each has its own per-layer events.
+    """
+
+    def __init__(self, pipeline: DeviceHostPipeline) -> None:
+        self._pipeline = pipeline
+        self._consumer: tuple[DeviceLoadHandle, ...] = ()
+
+    @property
+    def layer_num(self) -> int:
+        """Layers in the pool."""
+        return self._pipeline.layer_num
+
+    @property
+    def consumer(self) -> tuple[DeviceLoadHandle, ...]:
+        """The loads :meth:`wait` waits for."""
+        return self._consumer
+
+    def set_consumer(self, loads: DeviceLoadHandle | Sequence[DeviceLoadHandle] | None) -> None:
+        """Make :meth:`wait` wait for ``loads`` (None: for nothing).
+
+        Raises:
+            ConfigError: a load was not submitted by this counter's pipeline.
+        """
+        chosen = (
+            ()
+            if loads is None
+            else (loads,)
+            if isinstance(loads, DeviceLoadHandle)
+            else tuple(loads)
+        )
+        for load in chosen:
+            if getattr(load, "pipeline", None) is not self._pipeline:
+                raise ConfigError(
+                    owner="LayerDoneCounter.set_consumer",
+                    field="loads",
+                    value=load,
+                    reason="must be loads submitted by this counter's pipeline",
+                )
+        self._consumer = chosen
+
+    def wait(self, layer: int) -> None:
+        """Make the current CUDA stream wait until ``layer`` of the consumer loads landed.
+
+        Raises:
+            ConfigError: ``layer`` is out of range.
+            StateError: a consumer load failed while being submitted.
+        """
+        _check_layer(layer, self._pipeline.layer_num, owner="LayerDoneCounter.wait")
+        for load in self._consumer:
+            load.wait_layer(layer)
+
+    def reset(self) -> None:
+        """Forget the consumer (SGLang's ``reset``)."""
+        self._consumer = ()
