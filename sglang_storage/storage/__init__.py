@@ -10,7 +10,9 @@ translated into :mod:`sglang_storage.errors` here. Imports only the layers below
   ``clear(namespace)``, ``stats``, ``close`` and declared :class:`Capabilities`.
 - :mod:`.format` - the 512-byte header (format version, kind, dtype/shape/layout, model,
   checksums) every object carries and every read verifies.
-- :mod:`.keys` - SGLang 0.5.23's page hash chain (``page_hashes``), bit-identical.
+- :mod:`.keys` - SGLang 0.5.23's page hash chain (``page_hashes``), bit-identical, and
+  the namespaces of stored pages (``model_fingerprint``, ``kv_namespace``; MLA shared
+  across TP ranks).
 - :class:`FileBackend` (:mod:`.file`) and :class:`MemoryBackend` (:mod:`.dram`).
 - :func:`create_backend` and friends (:mod:`.registry`) - backends by name, plug-ins
   through the ``sglang_storage.backends`` entry point group.

@@ -11,6 +11,14 @@ the subsystem reads and writes the same keys as SGLang without importing it:
 - :func:`namespace_seed` - the chain seed for a request's ``extra_key`` (LoRA name and
   the like) and ``cache_salt``, or ``None`` for requests without a namespace.
 
+It also says where a page's object lives (:class:`~sglang_storage.core.Namespace`):
+
+- :func:`model_fingerprint` - a readable, collision-safe name for everything that makes
+  two deployments' stored bytes incompatible;
+- :func:`kv_namespace` - the namespace of one rank's KV pages: MHA pages are split by
+  heads, so each TP rank has its own; MLA's latent pages are identical on every TP rank
+  and shared.
+
 Each page's key is the SHA-256 of the previous page's 32-byte digest (for the first page:
 the prior key's bytes, or nothing for an unseeded chain) followed by the page's bytes::
 
@@ -31,12 +39,15 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Final, Protocol, cast
 
+from sglang_storage.core import DataKind, Namespace, Shard
 from sglang_storage.errors import ConfigError
 
 __all__ = [
     "DIGEST_HEX_LEN",
     "NAMESPACE_DOMAIN",
     "WIDE_PAGE_TAG",
+    "kv_namespace",
+    "model_fingerprint",
     "namespace_seed",
     "page_hashes",
 ]
@@ -317,3 +328,65 @@ def _chain_pages(pages: list[bytes], prior: bytes) -> list[str]:
         prior = sha256(prior + page).digest()
         keys.append(prior.hex())
     return keys
+
+
+_SLUG_MAX: Final = 60
+
+
+def model_fingerprint(model: object, **facts: object) -> str:
+    """A namespace model name: a readable slug of ``model`` plus a digest of everything.
+
+    ``facts`` are whatever else makes stored bytes incompatible (``dtype="bfloat16"``,
+    ``page_size=64``, ``layout="page_first"``, a quantisation tag); they are hashed in
+    name order with their ``repr``, so the same facts always give the same fingerprint
+    and any difference gives another. Example:
+    ``model_fingerprint("meta-llama/Llama-3.1-8B", dtype="bfloat16", page_size=64)``
+    gives ``"meta-llama-Llama-3.1-8B-"`` followed by 16 hex digits.
+
+    Raises:
+        ConfigError: ``model`` is empty.
+    """
+    if not isinstance(model, str) or not model.strip():
+        raise ConfigError(
+            owner="model_fingerprint", field="model", value=model, reason="must be a non-empty str"
+        )
+    described = repr((model, sorted((name, repr(value)) for name, value in facts.items())))
+    digest = hashlib.sha256(described.encode()).hexdigest()[:16]
+    safe = (c if c.isascii() and (c.isalnum() or c in "._-") else "-" for c in model)
+    slug = "".join(safe).lstrip(".-")[:_SLUG_MAX].rstrip(".-") or "model"
+    return f"{slug}-{digest}"
+
+
+def kv_namespace(
+    fingerprint: str,
+    *,
+    mla: bool,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+) -> Namespace:
+    """The namespace of one rank's KV pages.
+
+    MHA (and GQA) pages hold this TP rank's heads only, so the TP coordinates are part of
+    the namespace. MLA pages hold the same latent rows on every TP rank, so the TP
+    coordinates are dropped and one stored page serves them all. Pipeline and context
+    parallel ranks hold different layers or tokens and always stay apart.
+
+    Raises:
+        ConfigError: a rank is out of range for its size.
+    """
+    shard = Shard(
+        tp_rank=0 if mla else tp_rank,
+        tp_size=1 if mla else tp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+    )
+    if mla:
+        # Still validate the TP coordinates the caller gave.
+        Shard(tp_rank=tp_rank, tp_size=tp_size)
+    return Namespace(model=fingerprint, kind=DataKind.KV, shard=shard)

@@ -381,3 +381,42 @@ def test_hashlib_is_the_fallback_without_a_builtin_sha256(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(importlib, "import_module", missing)
     assert keys._small_input_sha256() is hashlib.sha256
+
+
+# ---------------------------------------------------------------- namespaces
+
+
+def test_model_fingerprint_is_readable_stable_and_fact_sensitive() -> None:
+    from sglang_storage.core import DataKind, Namespace
+    from sglang_storage.storage.keys import model_fingerprint
+
+    a = model_fingerprint("meta-llama/Llama-3.1-8B", dtype="bfloat16", page_size=64)
+    assert a.startswith("meta-llama-Llama-3.1-8B-")
+    assert len(a.rsplit("-", 1)[1]) == 16
+    assert a == model_fingerprint("meta-llama/Llama-3.1-8B", page_size=64, dtype="bfloat16")
+    assert a != model_fingerprint("meta-llama/Llama-3.1-8B", dtype="float16", page_size=64)
+    assert a != model_fingerprint("meta-llama/Llama-3.1-8B", dtype="bfloat16", page_size=32)
+    # Names differing only in characters the slug drops still differ.
+    assert model_fingerprint("a/b") != model_fingerprint("a:b")
+    for odd in ("/", "...", "x" * 500, "模型/名"):
+        Namespace(model=model_fingerprint(odd), kind=DataKind.KV)  # a valid model name
+    with pytest.raises(ConfigError):
+        model_fingerprint("  ")
+
+
+def test_kv_namespace_shares_mla_pages_across_tp_ranks() -> None:
+    from sglang_storage.storage.keys import kv_namespace
+
+    mha = [kv_namespace("m", mla=False, tp_rank=r, tp_size=4) for r in range(4)]
+    assert len(set(mha)) == 4
+    assert mha[1].shard.label == "tp1of4"
+    mla = [
+        kv_namespace("m", mla=True, tp_rank=r, tp_size=4, pp_rank=1, pp_size=2) for r in range(4)
+    ]
+    assert len(set(mla)) == 1
+    assert mla[0].shard.label == "pp1of2"
+    assert kv_namespace("m", mla=True, pp_rank=0, pp_size=2) != mla[0]
+    with pytest.raises(ConfigError):
+        kv_namespace("m", mla=True, tp_rank=4, tp_size=4)
+    with pytest.raises(ConfigError):
+        kv_namespace("m", mla=False, cp_rank=2, cp_size=2)
