@@ -1,7 +1,99 @@
 """Moving bytes: the device<->host pipeline and the host<->storage pipeline.
 
-Every transfer returns a typed handle (done, failed or cancelled; bytes; latency). The
-storage side talks to a ``Protocol`` declared here, which the backends in
+Every transfer returns a typed handle (done, failed or cancelled; bytes; latency) and the
+owner of a pipeline collects finished work as values; no caller drains a queue. The
+storage side talks to :class:`PageStore`, a ``Protocol`` declared here that the backends in
 :mod:`sglang_storage.storage` satisfy; this layer never imports them. Imports only
 :mod:`sglang_storage.memory` and the shared base.
+
+- :class:`DeviceHostPipeline` (:mod:`.device`) - asynchronous offload (D2H, all layers)
+  and layer-wise load (H2D) of KV pages between a :class:`DeviceKV` and a
+  :class:`~sglang_storage.memory.KVHostPool`, with a :class:`LayerDoneCounter` the forward
+  pass waits on; I/O through the ``torch`` or ``kernel`` (sgl_kernel) backend (:mod:`.io`).
+- :class:`StoragePipeline` (:mod:`.pipeline`) - get/put/exists of page batches on a small
+  worker pool: bounded per-priority queues with back-pressure, batching, deadlines,
+  cancellation, failure isolation, bounded shutdown, and :class:`PipelineMetrics`.
 """
+
+from sglang_storage.transfer.device import (
+    CopyDirection,
+    CopyMetrics,
+    DeviceHostPipeline,
+    DeviceLoadHandle,
+    DeviceTransferConfig,
+    DeviceTransferHandle,
+    DeviceTransferMetrics,
+    DeviceTransferResult,
+    DeviceTransferState,
+    LayerDoneCounter,
+)
+from sglang_storage.transfer.device_kv import DeviceKV
+from sglang_storage.transfer.handles import (
+    AnyHandle,
+    CloseReport,
+    ExistsHandle,
+    GetHandle,
+    OpKind,
+    OpState,
+    Priority,
+    PutHandle,
+    TransferHandle,
+)
+from sglang_storage.transfer.io import (
+    CopyPlan,
+    IOBackend,
+    IOBackendChoice,
+    TorchIOBackend,
+    open_io_backend,
+)
+from sglang_storage.transfer.io_kernel import KernelIOBackend, kernel_unavailable_reason
+from sglang_storage.transfer.metrics import (
+    LATENCY_BOUNDS_S,
+    KindMetrics,
+    LatencySnapshot,
+    PipelineMetrics,
+)
+from sglang_storage.transfer.pipeline import (
+    BackpressureMode,
+    StoragePipeline,
+    StoragePipelineConfig,
+)
+from sglang_storage.transfer.store import PageStore
+
+__all__ = [
+    "LATENCY_BOUNDS_S",
+    "AnyHandle",
+    "BackpressureMode",
+    "CloseReport",
+    "CopyDirection",
+    "CopyMetrics",
+    "CopyPlan",
+    "DeviceHostPipeline",
+    "DeviceKV",
+    "DeviceLoadHandle",
+    "DeviceTransferConfig",
+    "DeviceTransferHandle",
+    "DeviceTransferMetrics",
+    "DeviceTransferResult",
+    "DeviceTransferState",
+    "ExistsHandle",
+    "GetHandle",
+    "IOBackend",
+    "IOBackendChoice",
+    "KernelIOBackend",
+    "KindMetrics",
+    "LatencySnapshot",
+    "LayerDoneCounter",
+    "OpKind",
+    "OpState",
+    "PageStore",
+    "PipelineMetrics",
+    "Priority",
+    "PutHandle",
+    "StoragePipeline",
+    "StoragePipelineConfig",
+    "TorchIOBackend",
+    "TransferHandle",
+    "kernel_unavailable_reason",
+    "open_io_backend",
+]
