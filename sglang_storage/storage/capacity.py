@@ -150,9 +150,26 @@ class CapacityIndex(Generic[K]):
 
     def access(self, key: K) -> None:
         """Record a hit on ``key`` for the eviction policy."""
+        if self._policy is None:
+            return
         with self._lock:
-            if self._policy is not None and key in self._sizes:
+            if key in self._sizes:
                 self._policy.access(key)
+
+    def touch(self, key: K, size: int | None) -> None:
+        """Record a hit on ``key``; index it with ``size`` if it was not indexed.
+
+        An unindexed key is an object another process stored; ``size=None`` only records
+        the hit.
+        """
+        if self._policy is None and key in self._sizes:
+            return  # nothing to record; a dict read needs no lock
+        with self._lock:
+            if key in self._sizes:
+                if self._policy is not None:
+                    self._policy.access(key)
+            elif size is not None:
+                self._add_locked(key, size)
 
     def remove(self, key: K) -> bool:
         """Stop indexing ``key``; returns whether it was indexed."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import itertools
 import json
 import logging
 import os
@@ -74,6 +75,7 @@ from sglang_storage.storage.format import (
     checksum,
     decode_header,
     encode_header,
+    header_template,
 )
 
 __all__ = ["Durability", "FileBackend", "FileBackendConfig"]
@@ -143,6 +145,9 @@ class FileBackend:
         self._objects_dir = self._root / "objects"
         self._objects_prefix = f"{self._objects_dir}/"
         self._tmp_dir = self._root / "tmp"
+        # Temp names: the writer's pid (orphan cleanup reads it), a token, a counter.
+        self._tmp_token = uuid.uuid4().hex[:12]
+        self._tmp_counter = itertools.count()
         self._quarantine_dir = self._root / "quarantine"
         self._index: CapacityIndex[ObjectKey] = CapacityIndex(
             config.capacity_bytes, eviction, owner=f"file backend at {self._root}"
@@ -368,28 +373,34 @@ class FileBackend:
             return GetResult.error_of(key, _io_error(self.name, f"read of {key}", error))
         finally:
             os.close(fd)
-        if key in self._index:
-            self._index.access(key)
-        else:
-            self._index.add(key, HEADER_SIZE + request.nbytes)
+        self._index.touch(key, HEADER_SIZE + request.nbytes)
         return GetResult.hit_of(request)
 
     def _verify(self, request: GetRequest, header: bytearray, got: int) -> str | None:
-        try:
-            decoded = decode_header(header[: min(got, HEADER_SIZE)], where=str(request.key))
-        except CorruptObjectError as error:
-            return error.reason
-        reason = check_object(decoded, request.key, request.spec)
-        if reason is not None:
-            return reason
+        """Why the bytes read must not be delivered, or None."""
+        template = header_template(request.key.namespace, request.spec)
+        recorded = template.expected_checksum(header[: min(got, HEADER_SIZE)], request.key.name)
+        if recorded is None:
+            return self._explain(request, header, got)
         expected = HEADER_SIZE + request.nbytes
         if got < expected:
             return f"truncated: {got - HEADER_SIZE} of {request.nbytes} payload bytes"
         if got > expected:
             return "has bytes after its payload"
-        if checksum(request.buffers) != decoded.payload_checksum:
+        if checksum(request.buffers) != recorded:
             return "payload checksum mismatch"
         return None
+
+    def _explain(self, request: GetRequest, header: bytearray, got: int) -> str:
+        """Why a header that is not the expected one was refused."""
+        try:
+            decoded = decode_header(header[: min(got, HEADER_SIZE)], where=str(request.key))
+        except CorruptObjectError as error:
+            return error.reason
+        return (
+            check_object(decoded, request.key, request.spec)
+            or "header differs from the expected one"
+        )
 
     def _quarantine(self, fd: int, key: ObjectKey, path: str) -> None:
         """Move the corrupt file aside, unless another process has replaced it meanwhile."""
@@ -410,14 +421,15 @@ class FileBackend:
         key = request.key
         path = self._path(key)
         if os.path.exists(path):
-            self._index.access(key)
+            self._index.touch(key, size=None)
             return PutResult.present_of(key)
         size = HEADER_SIZE + request.nbytes
         try:
             victims = self._index.reserve(size)
         except StorageError as error:
             return PutResult.error_of(key, error)
-        self._delete_files(victims)
+        if victims:
+            self._delete_files(victims)
         try:
             self._write(request, path)
         except OSError as error:
@@ -429,7 +441,7 @@ class FileBackend:
     def _write(self, request: PutRequest, path: str) -> None:
         durability = self._config.durability
         header = encode_header(request.key, request.spec, checksum(request.buffers))
-        tmp = f"{self._tmp_dir}/{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        tmp = f"{self._tmp_dir}/{os.getpid()}.{self._tmp_token}.{next(self._tmp_counter)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
@@ -512,14 +524,18 @@ def _run_all(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
 
 
 def _readv_full(fd: int, views: list[memoryview], offset: int) -> int:
-    """Read into ``views`` from ``offset`` until they are full or the file ends."""
+    """Read into ``views`` from ``offset`` until they are full or the file ends.
+
+    A regular file returns less than asked only at its end, so a short read stops.
+    """
     total = 0
-    pending = [v for v in views if v.nbytes]
+    pending = views
     while pending:
-        got = os.preadv(fd, pending[:_IOV_MAX], offset + total)
-        if got == 0:
-            break
+        batch = pending[:_IOV_MAX] if len(pending) > _IOV_MAX else pending
+        got = os.preadv(fd, batch, offset + total)
         total += got
+        if got < sum(v.nbytes for v in batch) or got == 0:
+            break
         pending = _advance(pending, got)
     return total
 

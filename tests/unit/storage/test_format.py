@@ -273,3 +273,44 @@ def test_checksum_ignores_how_the_payload_is_split(data: bytes, cuts: list[int])
 
 def test_checksum_of_nothing() -> None:
     assert checksum([]) == checksum([memoryview(b"")]) == xxhash.xxh3_64_intdigest(b"")
+
+
+# ------------------------------------------------------------------ the hot-path template
+
+
+def test_template_check_accepts_only_the_exact_header() -> None:
+    from sglang_storage.storage.format import header_template
+
+    key = sample_key()
+    template = header_template(key.namespace, SPEC)
+    raw = sample_header(key)
+    assert template.header(key.name, 0x0123456789ABCDEF) == raw
+    assert template.expected_checksum(raw, key.name) == 0x0123456789ABCDEF
+    assert template.expected_checksum(bytearray(raw), key.name) == 0x0123456789ABCDEF
+    assert template.expected_checksum(memoryview(raw), key.name) == 0x0123456789ABCDEF
+    assert template.expected_checksum(raw, key.name + "x") is None
+    assert template.expected_checksum(raw[:-1], key.name) is None
+    for offset in range(len(raw)):
+        damaged = bytearray(raw)
+        damaged[offset] ^= 0x01
+        found = template.expected_checksum(damaged, key.name)
+        if 12 <= offset < 16:
+            # The header checksum alone: every other byte matched, nothing is misread.
+            assert found == 0x0123456789ABCDEF
+        elif 24 <= offset < 32:
+            # The payload checksum: caught when the payload is checked against it.
+            assert found is not None
+            assert found != 0x0123456789ABCDEF
+        else:
+            assert found is None, f"offset {offset}"
+
+
+def test_template_refuses_other_specs_and_namespaces() -> None:
+    from sglang_storage.storage.format import header_template
+
+    key = sample_key()
+    raw = sample_header(key)
+    other_spec = ObjectSpec(dtype="float16", shape=SPEC.shape, layout=SPEC.layout)
+    assert header_template(key.namespace, other_spec).expected_checksum(raw, key.name) is None
+    other_ns = Namespace(model="other", kind=key.namespace.kind, shard=key.namespace.shard)
+    assert header_template(other_ns, SPEC).expected_checksum(raw, key.name) is None
