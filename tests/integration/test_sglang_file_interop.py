@@ -12,14 +12,12 @@ SGLang's own ``get_hash_str``; our backend stores the same pages (``page_views``
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from support.sglang_pools import build_sglang_host_pool
+from support.sglang_pools import build_hicache_file, build_sglang_host_pool
 
 from sglang_storage.core import GetRequest, PutRequest
 from sglang_storage.memory import (
@@ -51,28 +49,6 @@ CASES = [
 def _memory() -> HostMemory:
     facts = MemoryFacts(physical=64 << 30, available=64 << 30)
     return HostMemory(HostMemoryBudget(BudgetConfig(total=1 << 30), facts=facts))
-
-
-def _hicache_file(directory: Path, *, mla: bool, page_first: bool) -> Any:
-    for name in list(os.environ):
-        if name.startswith("SGLANG_HICACHE_FILE_BACKEND_"):
-            del os.environ[name]
-    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
-
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=mla,
-        enable_storage_metrics=False,
-        is_page_first_layout=page_first,
-        model_name="interop",
-        extra_config=None,
-    )
-    return HiCacheFile(config, file_path=str(directory))
 
 
 @pytest.mark.parametrize(("attention", "layout"), CASES, ids=lambda c: str(c.value))
@@ -114,7 +90,9 @@ def test_our_payload_is_hicache_files_page(
     assert our_names == their_keys
 
     sglang_dir, ours_dir = tmp_path / "hicache", tmp_path / "ours"
-    store = _hicache_file(sglang_dir, mla=mla, page_first=layout is not KVLayout.LAYER_FIRST)
+    store = build_hicache_file(
+        sglang_dir, mla=mla, page_first=layout is not KVLayout.LAYER_FIRST, model_name="interop"
+    )
     assert store.batch_set(their_keys, [theirs.get_data_page(p * PAGE) for p in range(PAGES)])
 
     namespace = kv_namespace(model_fingerprint("interop", layout=layout.value), mla=mla)

@@ -24,6 +24,7 @@ This module imports without SGLang: SGLang is imported inside
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -289,3 +290,37 @@ def build_sglang_host_pool(
         page_num=pool_page_num,
         size=size,
     )
+
+
+def build_hicache_file(
+    directory: str | os.PathLike[str],
+    *,
+    mla: bool = False,
+    page_first: bool = True,
+    model_name: str = "sglang-storage-test",
+) -> Any:
+    """SGLang's own ``HiCacheFile`` on ``directory``, as its factory builds it for TP rank 0 of 1.
+
+    Every ``SGLANG_HICACHE_FILE_BACKEND_*`` variable is removed from the environment first
+    (they set its directory, metadata cache and evictor), so it runs with its defaults.
+    Imports SGLang.
+    """
+    for name in list(os.environ):
+        if name.startswith("SGLANG_HICACHE_FILE_BACKEND_"):
+            del os.environ[name]
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=page_first,
+        model_name=model_name,
+        extra_config=None,
+    )
+    return HiCacheFile(config, file_path=str(directory))
