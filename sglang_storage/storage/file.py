@@ -273,7 +273,12 @@ class FileBackend:
     def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
         """Read and verify each requested object straight into its buffers."""
         self._check_open()
-        results = self._spread(self._get, requests)
+        # Two phases: the I/O threads only open, read, hash and close (almost all of it
+        # without the GIL, so they overlap); this thread then checks every header and
+        # builds the results.
+        reads = [_Read(self._path(r.key), r) for r in requests]
+        self._spread(_read_raw, reads)
+        results = [self._finish(read) for read in reads]
         self._stats.record_gets(results)
         return results
 
@@ -347,37 +352,28 @@ class FileBackend:
 
     # ------------------------------------------------------------------ reads
 
-    def _get(self, request: GetRequest) -> GetResult:
+    def _finish(self, read: _Read) -> GetResult:
+        request = read.request
         key = request.key
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        if read.error is not None:
+            scrub(request.buffers)
+            return GetResult.error_of(key, _io_error(self.name, f"read of {key}", read.error))
+        if read.got < 0:
             self._index.remove(key)
             return GetResult.miss_of(key)
-        except OSError as error:
-            return GetResult.error_of(key, _io_error(self.name, f"open of {key}", error))
-        header = bytearray(HEADER_SIZE)
-        extra = bytearray(1)
-        try:
-            got = _readv_full(fd, [memoryview(header), *request.buffers, memoryview(extra)], 0)
-            reason = self._verify(request, header, got)
-            if reason is not None:
-                scrub(request.buffers)
-                self._quarantine(fd, key, path)
-                corrupt = CorruptObjectError(key=str(key), reason=reason)
-                log.warning("file backend: %s; quarantined", corrupt)
-                return GetResult.corrupt_of(key, corrupt)
-        except OSError as error:
+        reason = self._verify(read)
+        if reason is not None:
             scrub(request.buffers)
-            return GetResult.error_of(key, _io_error(self.name, f"read of {key}", error))
-        finally:
-            os.close(fd)
+            self._quarantine(read.inode, key, read.path)
+            corrupt = CorruptObjectError(key=str(key), reason=reason)
+            log.warning("file backend: %s; quarantined", corrupt)
+            return GetResult.corrupt_of(key, corrupt)
         self._index.touch(key, HEADER_SIZE + request.nbytes)
         return GetResult.hit_of(request)
 
-    def _verify(self, request: GetRequest, header: bytearray, got: int) -> str | None:
+    def _verify(self, read: _Read) -> str | None:
         """Why the bytes read must not be delivered, or None."""
+        request, header, got = read.request, read.header, read.got
         template = header_template(request.key.namespace, request.spec)
         recorded = template.expected_checksum(header[: min(got, HEADER_SIZE)], request.key.name)
         if recorded is None:
@@ -387,7 +383,7 @@ class FileBackend:
             return f"truncated: {got - HEADER_SIZE} of {request.nbytes} payload bytes"
         if got > expected:
             return "has bytes after its payload"
-        if checksum(request.buffers) != recorded:
+        if read.digest != recorded:
             return "payload checksum mismatch"
         return None
 
@@ -402,11 +398,11 @@ class FileBackend:
             or "header differs from the expected one"
         )
 
-    def _quarantine(self, fd: int, key: ObjectKey, path: str) -> None:
+    def _quarantine(self, inode: int, key: ObjectKey, path: str) -> None:
         """Move the corrupt file aside, unless another process has replaced it meanwhile."""
         self._index.remove(key)
         try:
-            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+            if os.stat(path).st_ino != inode:
                 return
             target = self._quarantine_dir / f"{time.time_ns()}.{os.getpid()}.{key.name}"
             os.rename(path, target)
@@ -517,6 +513,45 @@ class FileBackend:
 def _fan(name: str) -> str:
     """The shard directory of an object name: 256 of them per namespace."""
     return f"{xxhash.xxh32_intdigest(name.encode()) & 0xFF:02x}"
+
+
+class _Read:
+    """One object's read in flight: filled by an I/O thread, judged by the caller."""
+
+    __slots__ = ("digest", "error", "got", "header", "inode", "path", "request", "views")
+
+    def __init__(self, path: str, request: GetRequest) -> None:
+        self.path = path
+        self.request = request
+        self.header = bytearray(HEADER_SIZE)
+        # One byte more than the object should have: reading it means trailing bytes.
+        self.views = [memoryview(self.header), *request.buffers, memoryview(bytearray(1))]
+        self.got = -1
+        """Bytes read; -1 when there was no file."""
+        self.digest: int | None = None
+        """The payload checksum, when exactly header + payload was read."""
+        self.inode = 0
+        self.error: OSError | None = None
+
+
+def _read_raw(read: _Read) -> None:
+    """Open, read and close ``read.path`` and hash the payload; the GIL is mostly free."""
+    try:
+        fd = os.open(read.path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        read.error = error
+        return
+    try:
+        read.inode = os.fstat(fd).st_ino
+        read.got = _readv_full(fd, read.views, 0)
+        if read.got == HEADER_SIZE + read.request.nbytes:
+            read.digest = checksum(read.request.buffers)
+    except OSError as error:
+        read.error = error
+    finally:
+        os.close(fd)
 
 
 def _run_all(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
