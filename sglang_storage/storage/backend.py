@@ -33,6 +33,7 @@ __all__ = [
     "Backend",
     "BackendStats",
     "Capabilities",
+    "MemoryRegistrar",
     "StatsRecorder",
     "count_prefix",
     "scrub",
@@ -54,6 +55,10 @@ class Capabilities:
     setting, of the host)."""
     bounded: bool
     """The backend evicts objects on its own to stay within a capacity."""
+    registers_memory: bool = False
+    """Moves are faster (or, for some transports, only possible) from host memory
+    registered once through :class:`MemoryRegistrar`; owners of long-lived buffers
+    (host pools) should register them."""
 
 
 @attrs.frozen(kw_only=True)
@@ -118,6 +123,21 @@ class Backend(PageStore, Protocol):
 
     def close(self) -> None:
         """Release the backend's resources."""
+        ...
+
+
+class MemoryRegistrar(Protocol):
+    """A backend whose transport wants host memory registered once.
+
+    Declared by :attr:`Capabilities.registers_memory`.
+    """
+
+    def register_memory(self, buffer: memoryview) -> None:
+        """Register ``buffer``'s memory for zero-copy moves until it is unregistered."""
+        ...
+
+    def unregister_memory(self, buffer: memoryview) -> None:
+        """Undo :meth:`register_memory` for the same buffer."""
         ...
 
 

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 
@@ -75,26 +76,46 @@ class MooncakeMaster:
         # A port picked free can be taken before the master binds it; retry a few times.
         for _attempt in range(3):
             self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
-            log = self.log_path.open("ab")
-            self._process = subprocess.Popen(
-                [
-                    str(self.binary),
-                    f"--rpc_address={LOOPBACK}",
-                    f"--rpc_port={self.rpc_port}",
-                    "--enable_http_metadata_server=true",
-                    f"--http_metadata_server_host={LOOPBACK}",
-                    f"--http_metadata_server_port={self.http_port}",
-                    f"--metrics_host={LOOPBACK}",
-                    f"--metrics_port={self.metrics_port}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-            log.close()
-            if self._wait_healthy():
+            if self._launch():
                 return
             self.stop()
         raise RuntimeError(f"mooncake_master did not become healthy; log:\n{self.log_tail()}")
+
+    def restart(self, *, down_s: float = 0.0) -> None:
+        """Stop the master, wait ``down_s``, and start it again on the same ports.
+
+        Like a real master restart, everything it knew (objects, mounted segments) is gone;
+        clients keep their addresses and must reconnect on their own.
+        """
+        self.stop()
+        time.sleep(down_s)
+        deadline = time.monotonic() + 20.0
+        while not self._launch():
+            self.stop()
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"mooncake_master did not restart on its ports; log:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def _launch(self) -> bool:
+        log = self.log_path.open("ab")
+        self._process = subprocess.Popen(
+            [
+                str(self.binary),
+                f"--rpc_address={LOOPBACK}",
+                f"--rpc_port={self.rpc_port}",
+                "--enable_http_metadata_server=true",
+                f"--http_metadata_server_host={LOOPBACK}",
+                f"--http_metadata_server_port={self.http_port}",
+                f"--metrics_host={LOOPBACK}",
+                f"--metrics_port={self.metrics_port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        return self._wait_healthy()
 
     def _wait_healthy(self) -> bool:
         assert self._process is not None
@@ -132,6 +153,181 @@ class MooncakeMaster:
 
     def __enter__(self) -> MooncakeMaster:
         self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def mooncake_client_path() -> Path | None:
+    """Return the ``mooncake_client`` launcher (a process that contributes a segment)."""
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    found = shutil.which("mooncake_client", path=search)
+    return Path(found) if found else None
+
+
+class MooncakeSegment:
+    """A separate ``mooncake_client`` process that contributes memory to a master.
+
+    Objects a client without memory of its own stores land in this segment, so their
+    bytes cross TCP between two processes. Use as a context manager.
+
+    Args:
+        master: The running master to mount on.
+        size: The segment's size, as ``mooncake_client`` reads it ("256MB"; at least
+            16 MiB).
+    """
+
+    def __init__(self, master: MooncakeMaster, *, size: str = "256MB") -> None:
+        binary = mooncake_client_path()
+        if binary is None:
+            raise FileNotFoundError("mooncake_client is not installed")
+        self.binary = binary
+        self.master = master
+        self.size = size
+        self.log_path = master.log_path.with_name("mooncake_segment.log")
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the segment process; it mounts within a second (see MooncakeCluster)."""
+        log = self.log_path.open("ab")
+        self._process = subprocess.Popen(
+            [
+                str(self.binary),
+                f"--host={LOOPBACK}",
+                f"--port={free_port()}",
+                f"--global_segment_size={self.size}",
+                f"--master_server_address={self.master.master_address}",
+                f"--metadata_server={self.master.metadata_url}",
+                "--protocol=tcp",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK),
+        )
+        log.close()
+
+    @property
+    def running(self) -> bool:
+        """Whether the segment process is alive."""
+        return self._process is not None and self._process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        """Return the last ``lines`` lines of the segment process's log."""
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop the segment process (SIGTERM, then SIGKILL after 10 s)."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+    def __enter__(self) -> MooncakeSegment:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class MooncakeCluster:
+    """A master, a segment process, and a raw client of our own on loopback.
+
+    The raw client (``MooncakeDistributedStore`` with no memory of its own) is what tests
+    use to look behind a backend: read a stored value whole, overwrite it, wipe the
+    cluster between tests. Use as a context manager; ready once a probe value can be
+    stored (the segment has mounted).
+
+    Args:
+        log_dir: Where the master's and the segment's logs go.
+        segment_size: The segment process's size ("256MB").
+    """
+
+    def __init__(self, log_dir: Path, *, segment_size: str = "256MB") -> None:
+        self.master = MooncakeMaster(log_dir)
+        self.segment = MooncakeSegment(self.master, size=segment_size)
+        self.raw: Any = None
+
+    def options(self, **extra: object) -> dict[str, object]:
+        """Options of the ``mooncake`` backend for a client of this cluster with no memory
+        of its own (its objects live in the segment process)."""
+        return {
+            "master_address": self.master.master_address,
+            "metadata_server": self.master.metadata_url,
+            "local_hostname": LOOPBACK,
+            "global_segment_size": 0,
+            "local_buffer_size": "16MiB",
+            **extra,
+        }
+
+    def start(self) -> None:
+        """Start the master and the segment; return when a value can be stored."""
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
+        from mooncake.store import MooncakeDistributedStore
+
+        self.master.start()
+        self.segment.start()
+        self.raw = MooncakeDistributedStore()
+        status = self.raw.setup(
+            LOOPBACK,
+            self.master.metadata_url,
+            0,
+            64 << 20,
+            "tcp",
+            "",
+            self.master.master_address,
+        )
+        if status != 0:
+            raise RuntimeError(f"raw client setup failed ({status}):\n{self.master.log_tail()}")
+        self.wait_writable()
+
+    def wait_writable(self, timeout_s: float = 30.0) -> None:
+        """Return once a probe value can be stored (the segment is mounted)."""
+        deadline = time.monotonic() + timeout_s
+        while self.raw.put("cluster-probe", b"x") != 0:
+            if not self.segment.running:
+                raise RuntimeError(f"the segment process exited:\n{self.segment.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no segment mounted in time:\n{self.master.log_tail()}")
+            time.sleep(0.1)
+        self.raw.remove("cluster-probe", True)
+
+    def wipe(self) -> None:
+        """Remove every value in the cluster."""
+        self.raw.remove_all(True)
+
+    def stop(self) -> None:
+        """Stop the raw client, the segment and the master."""
+        if self.raw is not None:
+            self.raw.close()
+            self.raw = None
+        self.segment.stop()
+        self.master.stop()
+
+    def __enter__(self) -> MooncakeCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def __exit__(
