@@ -2,7 +2,7 @@
 
 Owns the backend protocol and its declared capabilities, the self-checking object format,
 SGLang-compatible keys, the registry, and the backends themselves (``file`` as the embedded
-default, ``memory``; ``mooncake`` and ``hf3fs`` to come). Backend-specific errors are
+default, ``memory``, ``mooncake``, ``hf3fs``). Backend-specific errors are
 translated into :mod:`sglang_storage.errors` here. Imports only the layers below it.
 
 - :class:`Backend` (:mod:`.backend`) - the protocol: ``exists``, ``prefix_hits``,
@@ -13,14 +13,24 @@ translated into :mod:`sglang_storage.errors` here. Imports only the layers below
 - :mod:`.keys` - SGLang 0.5.23's page hash chain (``page_hashes``), bit-identical, and
   the namespaces of stored pages (``model_fingerprint``, ``kv_namespace``; MLA shared
   across TP ranks).
-- :class:`FileBackend` (:mod:`.file`) and :class:`MemoryBackend` (:mod:`.dram`).
+- :class:`FileBackend` (:mod:`.file`), :class:`MemoryBackend` (:mod:`.dram`) and
+  :class:`MooncakeBackend` (:mod:`.mooncake`, a Mooncake Store cluster; its client is
+  imported only when one is opened) and :class:`Hf3fsBackend` (:mod:`.hf3fs`, fixed-size
+  slots in large preallocated files on a 3FS mount, through the usrbio client or POSIX).
 - :func:`create_backend` and friends (:mod:`.registry`) - backends by name, plug-ins
   through the ``sglang_storage.backends`` entry point group.
 """
 
-from sglang_storage.storage.backend import Backend, BackendStats, Capabilities
+from sglang_storage.storage.backend import Backend, BackendStats, Capabilities, MemoryRegistrar
 from sglang_storage.storage.dram import MemoryBackend, MemoryBackendConfig
 from sglang_storage.storage.file import Durability, FileBackend, FileBackendConfig
+from sglang_storage.storage.hf3fs import Hf3fsBackend, Hf3fsBackendConfig
+from sglang_storage.storage.mooncake import (
+    MooncakeBackend,
+    MooncakeBackendConfig,
+    MooncakeProtocol,
+    MooncakeTransfer,
+)
 from sglang_storage.storage.registry import (
     ENTRY_POINT_GROUP,
     BackendContext,
@@ -41,8 +51,15 @@ __all__ = [
     "Durability",
     "FileBackend",
     "FileBackendConfig",
+    "Hf3fsBackend",
+    "Hf3fsBackendConfig",
     "MemoryBackend",
     "MemoryBackendConfig",
+    "MemoryRegistrar",
+    "MooncakeBackend",
+    "MooncakeBackendConfig",
+    "MooncakeProtocol",
+    "MooncakeTransfer",
     "backend_entry",
     "backend_names",
     "create_backend",

@@ -28,6 +28,8 @@ from sglang_storage.errors import BackendUnavailableError, ConfigError
 from sglang_storage.storage.backend import Backend
 from sglang_storage.storage.dram import MemoryBackend, MemoryBackendConfig
 from sglang_storage.storage.file import FileBackend, FileBackendConfig
+from sglang_storage.storage.hf3fs import Hf3fsBackend, Hf3fsBackendConfig
+from sglang_storage.storage.mooncake import MooncakeBackend, MooncakeBackendConfig
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -190,6 +192,14 @@ def _file(config: FileBackendConfig, context: BackendContext) -> Backend:
     return FileBackend(config, eviction=context.eviction)
 
 
+def _hf3fs(config: Hf3fsBackendConfig, context: BackendContext) -> Backend:
+    return Hf3fsBackend(config, eviction=context.eviction)
+
+
+def _mooncake(config: MooncakeBackendConfig, context: BackendContext) -> Backend:
+    return MooncakeBackend(config, eviction=context.eviction)
+
+
 register_backend(
     BackendEntry(
         name="memory",
@@ -204,5 +214,21 @@ register_backend(
         config_type=FileBackendConfig,
         factory=_file,
         summary="one self-checking file per object under a local directory (the default)",
+    )
+)
+register_backend(
+    BackendEntry(
+        name="mooncake",
+        config_type=MooncakeBackendConfig,
+        factory=_mooncake,
+        summary="a Mooncake Store cluster (DRAM of many hosts, TCP or RDMA)",
+    )
+)
+register_backend(
+    BackendEntry(
+        name="hf3fs",
+        config_type=Hf3fsBackendConfig,
+        factory=_hf3fs,
+        summary="slots in large preallocated files on a 3FS mount (usrbio client or POSIX)",
     )
 )
