@@ -9,7 +9,7 @@ INSTALL_INPUTS := pyproject.toml ci/constraints.txt ci/sglang-cpu-requirements.t
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k units -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: setup test typecheck lint check clean
+.PHONY: setup test typecheck lint check clean apply-patches revert-patches
 
 setup: $(STAMP)
 
@@ -42,6 +42,17 @@ lint: $(STAMP)
 	exit $$status
 
 check: typecheck lint test
+
+# Patch the SGLang in .venv (or SGLANG_DIR=<sglang package dir, or an SGLang git checkout>)
+# with patches/sglang-0.5.23; both are idempotent and change nothing when a patch misfits.
+SGLANG_DIR ?=
+PATCH_ARGS = --patches-dir patches/sglang-0.5.23 $(if $(SGLANG_DIR),--sglang-dir "$(SGLANG_DIR)")
+
+apply-patches: $(STAMP)
+	$(BIN)/python -m sglang_storage_adapters.patching apply $(PATCH_ARGS)
+
+revert-patches: $(STAMP)
+	$(BIN)/python -m sglang_storage_adapters.patching revert $(PATCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache
