@@ -2,10 +2,11 @@
 
 Every object is our self-checking format (:mod:`.format`): a 512-byte header, then the
 payload. Mooncake stores it as one value under ``str(key)``
-(``<model>/<kind>/<shard>/<name>``), so a namespace is a key prefix. Payloads move
-straight between the caller's host buffers and the cluster with Mooncake's multi-buffer
-batch calls (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``); the
-headers travel from a small arena of header slots that is registered once at open.
+(``<model>/<kind>/<shard>/<name>``), so a namespace is a key prefix. How header and
+payload reach the transfer engine is :class:`MooncakeTransfer`: zero copy (the caller's
+buffers and a header slot as slices of one value, with Mooncake's multi-buffer batch
+calls) or staged (packed into registered arenas, one slice per value); ``auto`` picks per
+object. Header slots and arenas are registered once at open.
 
 Registered memory. Mooncake moves bytes fastest (and over RDMA, only) from memory
 registered with its transfer engine. Owners of long-lived host memory (host pools)
@@ -122,6 +123,9 @@ _ERROR_NAMES: Final[dict[int, str]] = {
     RPC_FAIL: "RPC_FAIL (master unreachable)",
 }
 
+_AUTO_STAGE_LIMIT: Final = 128 << 10
+"""Over TCP, ``auto`` stages payloads up to this size and moves larger ones zero copy."""
+
 _HOST_PORT = re.compile(r"(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:]+\]):(?P<port>[0-9]{1,5})")
 _METADATA = re.compile(r"(https?|etcd|redis)://\S+|P2PHANDSHAKE")
 
@@ -142,10 +146,12 @@ class MooncakeTransfer(enum.Enum):
     """How an object's header and payload are handed to the transfer engine.
 
     ``zero_copy`` hands the caller's buffers and a header slot to the engine as separate
-    slices of one value: no copy, but one more slice per object, which TCP pays for
-    (measured here: 20-40% per object). ``staged`` packs header and payload into
-    registered memory and moves one slice per object; reads are verified there before a
-    byte reaches the caller. ``auto`` stages over TCP and goes zero copy over RDMA.
+    slices of one value: no copy, but one more slice per object, which TCP pays for per
+    object (``benchmarks/mooncake_backend.py``: 10-30%). ``staged`` packs header and payload
+    into registered memory and moves one slice per object, paying a copy per byte instead;
+    reads are verified there before a byte reaches the caller. ``auto`` goes zero copy over
+    RDMA and, over TCP, stages objects up to 128 KiB (where the slice costs more than the
+    copy) and moves larger ones zero copy.
     """
 
     AUTO = "auto"
@@ -357,16 +363,17 @@ class MooncakeBackend:
         self._closed = False
         self._unreachable = False
         transfer = config.transfer
-        if transfer is MooncakeTransfer.AUTO:
-            tcp = config.protocol is MooncakeProtocol.TCP
-            transfer = MooncakeTransfer.STAGED if tcp else MooncakeTransfer.ZERO_COPY
+        if transfer is MooncakeTransfer.AUTO and config.protocol is MooncakeProtocol.RDMA:
+            transfer = MooncakeTransfer.ZERO_COPY
         self.transfer = transfer
-        """The transfer mode in use (``auto`` resolved)."""
+        """The transfer mode in use (``auto`` is kept only over TCP, where it stages small
+        objects and moves large ones zero copy)."""
+        self._stage_limit = _AUTO_STAGE_LIMIT if transfer is MooncakeTransfer.AUTO else None
         try:
             self._headers = _HeaderSlots(config.header_slots)
             self._register(self._headers.base, len(self._headers.arena))
             self._staging: _Staging | None = None
-            if transfer is MooncakeTransfer.STAGED:
+            if transfer is not MooncakeTransfer.ZERO_COPY:
                 self._staging = _Staging(config.staging_bytes)
                 for base in self._staging.bases:
                     self._register(base, self._staging.size)
@@ -853,6 +860,8 @@ class MooncakeBackend:
         if self._staging is None:
             return [], list(range(len(payloads)))
         fits = self._staging.size - HEADER_SIZE
+        if self._stage_limit is not None:
+            fits = min(fits, self._stage_limit)
         staged = [i for i, nbytes in enumerate(payloads) if nbytes <= fits]
         if len(staged) == len(payloads):
             return staged, []

@@ -46,6 +46,7 @@ from sglang_storage.storage import (
     MooncakeBackend,
     MooncakeBackendConfig,
     MooncakeProtocol,
+    MooncakeTransfer,
     backend_names,
     create_backend,
 )
@@ -94,6 +95,18 @@ class TestMooncakeBackend(BackendConformance[MooncakeBackend]):
             data[20] ^= 0xFF  # the payload length field, covered by the header checksum
         assert raw.remove(str(key), True) == 0
         assert raw.put(str(key), bytes(data)) == 0
+
+
+class TestMooncakeBackendZeroCopy(TestMooncakeBackend):
+    """The shared suite again with every object moved zero copy (the RDMA default)."""
+
+    def make_backend(self, tmp_path: Path) -> MooncakeBackend:
+        backend = open_backend(self.cluster, transfer="zero_copy")
+        assert backend.transfer is MooncakeTransfer.ZERO_COPY
+        return backend
+
+    def open_spec(self, tmp_path: Path) -> OpenSpec:
+        return ("mooncake", self.cluster.options(transfer="zero_copy"))
 
 
 # ---------------------------------------------------------------------- the cluster's own rules
@@ -213,6 +226,45 @@ def test_batches_larger_than_the_header_arena(cluster: MooncakeCluster) -> None:
         for thread in threads:
             thread.join(timeout=60)
         assert errors == []
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("transfer", ["auto", "staged", "zero_copy"])
+def test_mixed_sizes_in_one_batch_keep_order_and_bytes(
+    cluster: MooncakeCluster, transfer: str
+) -> None:
+    """Small objects are staged and large ones zero copy under ``auto``; staging arenas of
+    1 MiB make the 600 KiB objects span several arena runs under ``staged``."""
+    cluster.wipe()
+    backend = open_backend(cluster, transfer=transfer, staging_bytes="4MiB")
+    try:
+        ns = namespace()
+        sizes = [100, 300 << 10, 5000, 600 << 10, 0, 64 << 10, 2 << 20, 129 << 10, 7]
+        keys = [ns.key(f"mixed-{transfer}-{i}") for i in range(len(sizes))]
+        data = [pattern(key, size) for key, size in zip(keys, sizes, strict=True)]
+        puts = backend.put_from(
+            [
+                PutRequest(
+                    key=k, spec=ObjectSpec.raw(len(d)), buffers=[d[: len(d) // 2], d[len(d) // 2 :]]
+                )
+                for k, d in zip(keys, data, strict=True)
+            ]
+        )
+        assert [p.key for p in puts] == keys
+        assert all(p.outcome is PutOutcome.STORED for p in puts), puts
+        outs = [bytearray(len(d)) for d in data]
+        gets = backend.get_into(
+            [
+                GetRequest(key=k, spec=ObjectSpec.raw(len(o)), buffers=[memoryview(o)])
+                for k, o in zip(keys, outs, strict=True)
+            ]
+        )
+        assert [g.key for g in gets] == keys
+        assert all(g.outcome is GetOutcome.HIT for g in gets), gets
+        assert [bytes(o) for o in outs] == data
+        for key, d in zip(keys, data, strict=True):
+            assert cluster.raw.get(str(key))[HEADER_SIZE:] == d
     finally:
         backend.close()
 
@@ -366,6 +418,8 @@ def test_unreachable_master_fails_fast_with_its_address() -> None:
         ({"replicas": 0}, "replicas", ""),
         ({"header_slots": 0}, "header_slots", ""),
         ({"connect_timeout_s": 0}, "connect_timeout_s", ""),
+        ({"transfer": "copy"}, "transfer", "zero_copy"),
+        ({"staging_bytes": "1KiB"}, "staging_bytes", ""),
         ({"segment": 1}, "segment", "master_address"),
     ],
 )

@@ -1,0 +1,306 @@
+"""Our ``mooncake`` backend against calling ``MooncakeDistributedStore`` directly, in one run.
+
+Run: ``.venv/bin/python benchmarks/mooncake_backend.py`` (``--quick`` for a short run).
+
+It starts a real ``mooncake_master`` and a ``mooncake_client`` segment process on
+loopback (as the tests do), then opens two clients that contribute no memory, so every
+byte crosses TCP to the segment process: our backend (twice: ``transfer="staged"``,
+the default over TCP, and ``transfer="zero_copy"``, the default over RDMA) and a raw
+``MooncakeDistributedStore``. All move the same pages from and into the same host arenas,
+registered once with each client. Four sides per row:
+
+- ``staged`` / ``zero-copy``: our backend (``put_from`` / ``get_into`` / ``prefix_hits``;
+  building the requests, the existence check before puts, the header and the xxh3
+  checksum, and verification on read are all timed).
+- ``raw``: ``batch_put_from`` / ``batch_get_into`` / ``batch_is_exist`` of the page alone,
+  one slice per object: what an application without a header or checksum does.
+- ``raw+hdr``: the same raw calls moving what our zero-copy path moves, a 512-byte
+  header slice plus the page (``batch_*_multi_buffers``), so ``zero-copy / raw+hdr`` is
+  our code's own overhead and ``raw+hdr / raw`` what the second slice costs Mooncake.
+
+Rows ``put`` (every page in batches of ``--batch`` keys into an emptied cluster), ``get``
+(every page read back and compared) and ``exists`` (keys per second). It prints the
+median of ``--repeats`` samples, sides interleaved in a rotating order, and ratios to
+``raw`` (> 1 means faster than raw). Target (issue 8): our overhead under 10%.
+This is a benchmark, not a test: machines are shared and noisy, so read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from support.mooncake import LOOPBACK, MooncakeCluster
+
+from sglang_storage.core import (
+    DataKind,
+    GetOutcome,
+    GetRequest,
+    Namespace,
+    ObjectSpec,
+    PutOutcome,
+    PutRequest,
+    Shard,
+)
+from sglang_storage.storage import MooncakeBackend, create_backend
+from sglang_storage.storage.format import HEADER_SIZE
+
+NS = Namespace(model="bench", kind=DataKind.KV, shard=Shard())
+
+
+class Pages:
+    """``count`` pages of ``page_bytes`` in a source and a target arena, plus header slots."""
+
+    def __init__(self, count: int, page_bytes: int, seed: int) -> None:
+        self.count, self.page_bytes = count, page_bytes
+        rng = np.random.default_rng(seed)
+        self.source = rng.integers(0, 256, count * page_bytes, dtype=np.uint8)
+        self.target = np.zeros(count * page_bytes, dtype=np.uint8)
+        self.headers = np.ones(count * HEADER_SIZE, dtype=np.uint8)
+        self.source_view = memoryview(self.source.data).cast("B")
+        self.target_view = memoryview(self.target.data).cast("B")
+        self.spec = ObjectSpec.raw(page_bytes)
+        self.keys = [NS.key(f"p{page_bytes}-{i:05d}") for i in range(count)]
+        self.raw_keys = [f"raw/{page_bytes}/{i:05d}" for i in range(count)]
+
+    def arenas(self) -> list[np.ndarray[Any, Any]]:
+        """The host memory every side registers."""
+        return [self.source, self.target, self.headers]
+
+    def page(self, view: memoryview, i: int) -> memoryview:
+        """Page ``i`` of ``view``."""
+        return view[i * self.page_bytes : (i + 1) * self.page_bytes]
+
+    def address(self, array: np.ndarray[Any, Any], i: int, size: int) -> int:
+        """The address of element ``i`` of ``size`` bytes in ``array``."""
+        return int(array.ctypes.data) + i * size
+
+    def batches(self, batch: int) -> list[range]:
+        """Page indices in runs of ``batch``."""
+        return [range(s, min(s + batch, self.count)) for s in range(0, self.count, batch)]
+
+    def check(self, who: str) -> None:
+        """Stop unless the target holds the source's bytes; then clear it."""
+        if not np.array_equal(self.source, self.target):
+            raise SystemExit(f"{who}: the bytes read back differ from those written")
+        self.target[:] = 0
+
+
+class Ours:
+    """Our backend as a benchmark side."""
+
+    def __init__(self, backend: MooncakeBackend, pages: Pages, batch: int, tag: str) -> None:
+        self.backend, self.pages, self.batch = backend, pages, batch
+        self.keys = [NS.key(f"{tag}-{key.name}") for key in pages.keys]
+
+    def put(self) -> None:
+        """Store every page."""
+        p = self.pages
+        for run in p.batches(self.batch):
+            requests = [
+                PutRequest(key=self.keys[i], spec=p.spec, buffers=[p.page(p.source_view, i)])
+                for i in run
+            ]
+            for result in self.backend.put_from(requests):
+                if result.outcome is not PutOutcome.STORED:
+                    raise SystemExit(f"ours: a put failed: {result}")
+
+    def get(self) -> None:
+        """Read every page back."""
+        p = self.pages
+        for run in p.batches(self.batch):
+            requests = [
+                GetRequest(key=self.keys[i], spec=p.spec, buffers=[p.page(p.target_view, i)])
+                for i in run
+            ]
+            if any(r.outcome is not GetOutcome.HIT for r in self.backend.get_into(requests)):
+                raise SystemExit("ours: a get missed")
+
+    def exists(self) -> None:
+        """Ask for every key."""
+        p = self.pages
+        for run in p.batches(self.batch):
+            if self.backend.prefix_hits([self.keys[i] for i in run]) != len(run):
+                raise SystemExit("ours: exists missed")
+
+
+class Raw:
+    """A raw ``MooncakeDistributedStore`` as a benchmark side, with or without a header slice."""
+
+    def __init__(self, store: Any, pages: Pages, batch: int, *, header: bool) -> None:
+        self.store, self.pages, self.batch, self.header = store, pages, batch, header
+        self.keys = [f"{key}{'/h' if header else ''}" for key in pages.raw_keys]
+
+    def _slices(self, array: np.ndarray[Any, Any], run: range) -> tuple[list[Any], list[Any]]:
+        p = self.pages
+        pages = [p.address(array, i, p.page_bytes) for i in run]
+        if not self.header:
+            return pages, [p.page_bytes] * len(run)
+        heads = [p.address(p.headers, i, HEADER_SIZE) for i in run]
+        return [list(pair) for pair in zip(heads, pages, strict=True)], [
+            [HEADER_SIZE, p.page_bytes]
+        ] * len(run)
+
+    def put(self) -> None:
+        """Store every page."""
+        for run in self.pages.batches(self.batch):
+            keys = [self.keys[i] for i in run]
+            ptrs, sizes = self._slices(self.pages.source, run)
+            if self.header:
+                codes = self.store.batch_put_from_multi_buffers(keys, ptrs, sizes)
+            else:
+                codes = self.store.batch_put_from(keys, ptrs, sizes)
+            if any(codes):
+                raise SystemExit(f"raw: put failed: {codes}")
+
+    def get(self) -> None:
+        """Read every page back."""
+        for run in self.pages.batches(self.batch):
+            keys = [self.keys[i] for i in run]
+            ptrs, sizes = self._slices(self.pages.target, run)
+            if self.header:
+                codes = self.store.batch_get_into_multi_buffers(keys, ptrs, sizes)
+            else:
+                codes = self.store.batch_get_into(keys, ptrs, sizes)
+            if any(code <= 0 for code in codes):
+                raise SystemExit(f"raw: get failed: {codes}")
+
+    def exists(self) -> None:
+        """Ask for every key."""
+        for run in self.pages.batches(self.batch):
+            if any(code != 1 for code in self.store.batch_is_exist([self.keys[i] for i in run])):
+                raise SystemExit("raw: exists missed")
+
+
+Side = Ours | Raw
+SIDES = ("staged", "zero-copy", "raw", "raw+hdr")
+
+
+def timed(run: Callable[[], None]) -> float:
+    """Seconds ``run`` takes."""
+    gc.collect()
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def measure(
+    sides: dict[str, Side], pages: Pages, cluster: MooncakeCluster, repeats: int
+) -> dict[str, dict[str, float]]:
+    """Median seconds per row and side."""
+    samples: dict[str, dict[str, list[float]]] = {
+        row: {name: [] for name in sides} for row in ("put", "get", "exists")
+    }
+    names = list(sides)
+    for repeat in range(repeats):
+        cluster.wipe()
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
+        for name in order:
+            samples["put"][name].append(timed(sides[name].put))
+        for name in order:
+            samples["get"][name].append(timed(sides[name].get))
+            pages.check(name)
+        for name in order:
+            if name != "raw+hdr":
+                samples["exists"][name].append(timed(sides[name].exists))
+    return {
+        row: {name: statistics.median(v) for name, v in by.items() if v}
+        for row, by in samples.items()
+    }
+
+
+def main() -> None:
+    """Run the benchmark and print the table."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--sizes", default="64KiB,256KiB,1MiB", help="page sizes (KiB/MiB)")
+    parser.add_argument("--total-mib", type=int, default=64, help="bytes per size and side")
+    parser.add_argument("--batch", type=int, default=32, help="keys per call")
+    parser.add_argument("--repeats", type=int, default=7, help="samples per row (median)")
+    parser.add_argument("--quick", action="store_true", help="16 MiB, 3 repeats")
+    args = parser.parse_args()
+    if args.quick:
+        args.total_mib, args.repeats = 16, 3
+    sizes = [_size(text) for text in args.sizes.split(",")]
+    from mooncake.store import MooncakeDistributedStore
+
+    segment = f"{max(256, 5 * args.total_mib)}MB"
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        MooncakeCluster(Path(logs), segment_size=segment) as cluster,
+    ):
+        staged = create_backend("mooncake", cluster.options(transfer="staged"))
+        direct = create_backend("mooncake", cluster.options(transfer="zero_copy"))
+        assert isinstance(staged, MooncakeBackend)
+        assert isinstance(direct, MooncakeBackend)
+        raw = MooncakeDistributedStore()
+        master = cluster.master
+        if raw.setup(LOOPBACK, master.metadata_url, 0, 16 << 20, "tcp", "", master.master_address):
+            raise SystemExit("raw client setup failed")
+        print(  # noqa: T201
+            f"mooncake over loopback TCP to a segment process; batch {args.batch}, "
+            f"{args.total_mib} MiB per size and side, median of {args.repeats}; "
+            "GiB/s (exists: thousand keys/s), and the ratio to raw"
+        )
+        print(f"{'page':>7} {'row':>6} " + " ".join(f"{n:>17}" for n in SIDES))  # noqa: T201
+        for page_bytes in sizes:
+            pages = Pages(max(1, (args.total_mib << 20) // page_bytes), page_bytes, seed=page_bytes)
+            for array in pages.arenas():
+                view = memoryview(array.data).cast("B")
+                staged.register_memory(view)
+                direct.register_memory(view)
+                if raw.register_buffer(int(array.ctypes.data), array.nbytes):
+                    raise SystemExit("raw: registration failed")
+            sides: dict[str, Side] = {
+                "staged": Ours(staged, pages, args.batch, "s"),
+                "zero-copy": Ours(direct, pages, args.batch, "z"),
+                "raw": Raw(raw, pages, args.batch, header=False),
+                "raw+hdr": Raw(raw, pages, args.batch, header=True),
+            }
+            medians = measure(sides, pages, cluster, args.repeats)
+            for row, by in medians.items():
+                cells = []
+                for name in SIDES:
+                    if name not in by:
+                        cells.append(f"{'-':>17}")
+                        continue
+                    if row == "exists":
+                        rate = pages.count / by[name] / 1e3
+                    else:
+                        rate = pages.count * page_bytes / by[name] / 2**30
+                    cells.append(f"{rate:9.2f} ({by['raw'] / by[name]:4.2f}x)")
+                print(f"{_label(page_bytes):>7} {row:>6} " + " ".join(cells))  # noqa: T201
+            for array in pages.arenas():
+                view = memoryview(array.data).cast("B")
+                staged.unregister_memory(view)
+                direct.unregister_memory(view)
+                raw.unregister_buffer(int(array.ctypes.data))
+        staged.close()
+        direct.close()
+        raw.close()
+
+
+def _size(text: str) -> int:
+    text = text.strip()
+    for suffix, shift in (("KiB", 10), ("MiB", 20)):
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) << shift
+    return int(text)
+
+
+def _label(nbytes: int) -> str:
+    return f"{nbytes >> 20}MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10}KiB"
+
+
+if __name__ == "__main__":
+    main()
