@@ -1,8 +1,16 @@
 """Drop-in adapters that run SGLang 0.5.23 on sglang_storage.
 
-This is the only package that imports ``sglang``. The adapters keep SGLang's call
-contracts exactly, and those contracts are specific to one release, so every adapter
-first calls :func:`require_supported_sglang`:
+This is the only package that imports ``sglang``. Its modules:
+
+- :mod:`.hicache_storage` - ``HiCacheBackend``: our backends as SGLang's ``dynamic``
+  HiCache L3 storage backend (v0, v1 zero copy, v2 multi-pool).
+- :mod:`.flags` - the ``--storage-*`` server flags and their translation into SGLang's
+  own ``hicache_*`` settings (called from ``patches/sglang-0.5.23``).
+- :mod:`.patching` - ``python -m sglang_storage_adapters.patching apply|revert|status``,
+  behind ``make apply-patches`` / ``make revert-patches``.
+
+The adapters keep SGLang's call contracts exactly, and those contracts are specific to
+one release, so every adapter first calls :func:`require_supported_sglang`:
 
 - :data:`SUPPORTED_SGLANG_VERSION` - the release the adapters and ``patches/`` target.
 - :func:`installed_sglang_version` - the installed release, read from package metadata
