@@ -21,7 +21,9 @@ Mooncake's behaviour, handled deliberately:
   harmless (same key, same content, and the old value is kept).
 - Removal is refused while a reader holds a lease. Deletion, clearing and quarantine
   force it: every read verifies the header and checksum, so a read that races a removal
-  ends as a miss or a corrupt result, never as wrong bytes.
+  (and gets the bytes of whatever reused the memory) never delivers them; it is read
+  once more, which turns a race into a hit or a miss, and only persistent damage is
+  reported corrupt.
 - A full cluster (no segment can take the object) is a ``CapacityError`` result; the
   master evicts on its own above its high watermark, so later puts succeed again.
 - A master that stops or restarts: calls fail fast with ``RPC_FAIL``. Meanwhile reads are
@@ -62,6 +64,7 @@ from sglang_storage.config import (
 )
 from sglang_storage.core import (
     EvictionPolicy,
+    GetOutcome,
     GetRequest,
     GetResult,
     Namespace,
@@ -122,6 +125,9 @@ _ERROR_NAMES: Final[dict[int, str]] = {
     TRANSFER_FAIL: "TRANSFER_FAIL",
     RPC_FAIL: "RPC_FAIL (master unreachable)",
 }
+
+_REREADS: Final = 2
+"""Reads of an object that failed verification before it counts as corrupt."""
 
 _AUTO_STAGE_LIMIT: Final = 128 << 10
 """Over TCP, ``auto`` stages payloads up to this size and moves larger ones zero copy."""
@@ -520,20 +526,42 @@ class MooncakeBackend:
     # ------------------------------------------------------------------ reads
 
     def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
-        """Read each object into its buffers and verify it; see the module docstring."""
+        """Read each object into its buffers and verify it; see the module docstring.
+
+        An object that fails verification is read again (twice at most) before it is
+        called corrupt: a read can race a forced removal (another client's delete, clear
+        or quarantine) whose memory was already reused, and then holds another object's
+        bytes. A race resolves (a later read is a hit or a miss); damage stays, and only
+        then is the object reported ``CORRUPT`` and removed.
+        """
         with self._calls():
-            results: list[GetResult | None] = [None] * len(requests)
-            staged, direct = self._route([request.nbytes for request in requests])
-            for arena, run in self._packed(staged, requests):
-                for i, result in self._get_staged(requests, arena, run):
+            results = self._read(requests)
+            suspects = [i for i, r in enumerate(results) if r.outcome is GetOutcome.CORRUPT]
+            for _ in range(_REREADS):
+                if not suspects:
+                    break
+                again = self._read([requests[i] for i in suspects])
+                for i, result in zip(suspects, again, strict=True):
                     results[i] = result
-            for chunk, slots in self._chunks(direct):
-                got = self._get_chunk([requests[i] for i in chunk], slots)
-                for i, result in zip(chunk, got, strict=True):
-                    results[i] = result
-        done = [result for result in results if result is not None]
-        self._stats.record_gets(done)
-        return done
+                suspects = [i for i in suspects if results[i].outcome is GetOutcome.CORRUPT]
+            for i in suspects:
+                self._quarantine(results[i].key)
+                log.warning("mooncake backend: %s; removed", results[i].error)
+        self._stats.record_gets(results)
+        return results
+
+    def _read(self, requests: Sequence[GetRequest]) -> list[GetResult]:
+        """One read of each request, verified; corrupt results are not yet acted on."""
+        results: list[GetResult | None] = [None] * len(requests)
+        staged, direct = self._route([request.nbytes for request in requests])
+        for arena, run in self._packed(staged, requests):
+            for i, result in self._get_staged(requests, arena, run):
+                results[i] = result
+        for chunk, slots in self._chunks(direct):
+            got = self._get_chunk([requests[i] for i in chunk], slots)
+            for i, result in zip(chunk, got, strict=True):
+                results[i] = result
+        return [result for result in results if result is not None]
 
     def _get_staged(
         self, requests: Sequence[GetRequest], arena: int, run: list[tuple[int, int]]
@@ -643,10 +671,7 @@ class MooncakeBackend:
         return None
 
     def _corrupt(self, key: ObjectKey, reason: str) -> GetResult:
-        corrupt = CorruptObjectError(key=str(key), reason=reason)
-        self._quarantine(key)
-        log.warning("mooncake backend: %s; removed", corrupt)
-        return GetResult.corrupt_of(key, corrupt)
+        return GetResult.corrupt_of(key, CorruptObjectError(key=str(key), reason=reason))
 
     def _quarantine(self, key: ObjectKey) -> None:
         self._forget([key])
