@@ -284,56 +284,51 @@ def _probe(address: str, what: str, config: MooncakeBackendConfig) -> None:
         ) from error
 
 
-class _HeaderSlots:
-    """A registered arena of 512-byte header slots, handed out in runs per batch chunk."""
+class _FreeList:
+    """Indices ``0..count-1`` handed out and given back by the calls in flight."""
 
     def __init__(self, count: int) -> None:
-        self.arena = bytearray(count * HEADER_SIZE)
-        self.view = memoryview(self.arena)
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.arena))
         self._free = collections.deque(range(count))
         self._ready = threading.Condition()
 
-    def acquire(self, wanted: int) -> list[int]:
-        """Between 1 and ``wanted`` free slots, waiting while none is free."""
+    def take(self, wanted: int) -> list[int]:
+        """Between 1 and ``wanted`` free indices, waiting while none is free."""
         with self._ready:
             while not self._free:
                 self._ready.wait()
             return [self._free.popleft() for _ in range(min(wanted, len(self._free)))]
 
-    def release(self, slots: Sequence[int]) -> None:
+    def give(self, indices: Sequence[int]) -> None:
+        """Return indices taken before."""
         with self._ready:
-            self._free.extend(slots)
+            self._free.extend(indices)
             self._ready.notify_all()
+
+
+class _HeaderSlots(_FreeList):
+    """A registered arena of 512-byte header slots, handed out in runs per batch chunk."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        self.arena = bytearray(count * HEADER_SIZE)
+        self.view = memoryview(self.arena)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.arena))
 
     def slot(self, index: int) -> memoryview:
         return self.view[index * HEADER_SIZE : (index + 1) * HEADER_SIZE]
 
 
-class _Staging:
+class _Staging(_FreeList):
     """Registered arenas that whole objects are packed into, one arena per call in flight."""
 
     ARENAS: Final = 4
 
     def __init__(self, total: int) -> None:
+        super().__init__(self.ARENAS)
         self.size = total // self.ARENAS
         self.buffers = [bytearray(self.size) for _ in range(self.ARENAS)]
         self.views = [memoryview(buffer) for buffer in self.buffers]
         self.bases = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in self.buffers]
-        self._free = collections.deque(range(self.ARENAS))
-        self._ready = threading.Condition()
-
-    def acquire(self) -> int:
-        """A free arena, waiting while none is."""
-        with self._ready:
-            while not self._free:
-                self._ready.wait()
-            return self._free.popleft()
-
-    def release(self, arena: int) -> None:
-        with self._ready:
-            self._free.append(arena)
-            self._ready.notify()
 
 
 class MooncakeBackend:
@@ -580,10 +575,33 @@ class MooncakeBackend:
         return out
 
     def _get_chunk(self, requests: Sequence[GetRequest], slots: list[int]) -> list[GetResult]:
-        keys, pointers, sizes = [], [], []
+        live, keys, pointers, sizes, refused = self._slices(requests, slots)
+        codes: dict[int, int] = {}
+        if live:
+            got = self._store.batch_get_into_multi_buffers(keys, pointers, sizes)
+            self._note_reachability(got)
+            codes = dict(zip(live, got, strict=True))
+        return [
+            GetResult.error_of(request.key, refused[i])
+            if i in refused
+            else self._finish(request, self._headers.slot(slot), None, codes[i])
+            for i, (request, slot) in enumerate(zip(requests, slots, strict=True))
+        ]
+
+    def _slices(
+        self, requests: Sequence[GetRequest | PutRequest], slots: list[int]
+    ) -> tuple[list[int], list[str], list[list[int]], list[list[int]], dict[int, StorageError]]:
+        """The zero-copy slices of each request (its header slot, then its buffers).
+
+        Returns the positions that may go with their keys, slice addresses and sizes, and
+        the refusal of each position that may not (unregistered memory over RDMA).
+        """
+        live: list[int] = []
+        keys: list[str] = []
+        pointers: list[list[int]] = []
+        sizes: list[list[int]] = []
         refused: dict[int, StorageError] = {}
         for i, (request, slot) in enumerate(zip(requests, slots, strict=True)):
-            keys.append(str(request.key))
             ptrs, lens = [self._headers.base + slot * HEADER_SIZE], [HEADER_SIZE]
             for buffer in request.buffers:
                 if buffer.nbytes:
@@ -592,24 +610,12 @@ class MooncakeBackend:
             refusal = self._unregistered(ptrs, lens)
             if refusal is not None:
                 refused[i] = refusal
-                ptrs, lens = [], []
+                continue
+            live.append(i)
+            keys.append(str(request.key))
             pointers.append(ptrs)
             sizes.append(lens)
-        live = [i for i in range(len(requests)) if i not in refused]
-        codes = dict.fromkeys(refused, 0)
-        if live:
-            got = self._store.batch_get_into_multi_buffers(
-                [keys[i] for i in live], [pointers[i] for i in live], [sizes[i] for i in live]
-            )
-            codes.update(zip(live, got, strict=True))
-            self._note_reachability(got)
-        results = []
-        for i, (request, slot) in enumerate(zip(requests, slots, strict=True)):
-            if i in refused:
-                results.append(GetResult.error_of(request.key, refused[i]))
-            else:
-                results.append(self._finish(request, self._headers.slot(slot), None, codes[i]))
-        return results
+        return live, keys, pointers, sizes, refused
 
     def _finish(
         self, request: GetRequest, header: memoryview, staged: memoryview | None, code: int
@@ -744,35 +750,17 @@ class MooncakeBackend:
         ]
 
     def _put_chunk(self, requests: Sequence[PutRequest], slots: list[int]) -> list[PutResult]:
-        keys, pointers, sizes = [], [], []
-        refused: dict[int, StorageError] = {}
-        for i, (request, slot) in enumerate(zip(requests, slots, strict=True)):
+        for request, slot in zip(requests, slots, strict=True):
             template = header_template(request.key.namespace, request.spec)
             self._headers.slot(slot)[:] = template.header(
                 request.key.name, checksum(request.buffers)
             )
-            keys.append(str(request.key))
-            ptrs, lens = [self._headers.base + slot * HEADER_SIZE], [HEADER_SIZE]
-            for buffer in request.buffers:
-                if buffer.nbytes:
-                    ptrs.append(_address(buffer))
-                    lens.append(buffer.nbytes)
-            refusal = self._unregistered(ptrs, lens)
-            if refusal is not None:
-                refused[i] = refusal
-            pointers.append(ptrs)
-            sizes.append(lens)
-        live = [i for i in range(len(requests)) if i not in refused]
+        live, keys, pointers, sizes, refused = self._slices(requests, slots)
         codes: dict[int, int] = {}
         if live:
-            got = self._store.batch_put_from_multi_buffers(
-                [keys[i] for i in live],
-                [pointers[i] for i in live],
-                [sizes[i] for i in live],
-                self._replicate,
-            )
-            codes.update(zip(live, got, strict=True))
+            got = self._store.batch_put_from_multi_buffers(keys, pointers, sizes, self._replicate)
             self._note_reachability(got)
+            codes = dict(zip(live, got, strict=True))
         return [
             PutResult.error_of(request.key, refused[i])
             if i in refused
@@ -903,7 +891,7 @@ class MooncakeBackend:
         at = 0
         while at < len(indices):
             assert self._staging is not None
-            arena = self._staging.acquire()
+            (arena,) = self._staging.take(1)
             try:
                 run, offset = [], 0
                 while at < len(indices):
@@ -915,17 +903,17 @@ class MooncakeBackend:
                     at += 1
                 yield arena, run
             finally:
-                self._staging.release(arena)
+                self._staging.give([arena])
 
     def _chunks(self, indices: Sequence[int]) -> Iterator[tuple[Sequence[int], list[int]]]:
         """``indices`` in runs that each hold a set of header slots while they run."""
         at = 0
         while at < len(indices):
-            slots = self._headers.acquire(len(indices) - at)
+            slots = self._headers.take(len(indices) - at)
             try:
                 yield indices[at : at + len(slots)], slots
             finally:
-                self._headers.release(slots)
+                self._headers.give(slots)
             at += len(slots)
 
     def _unregistered(self, pointers: list[int], sizes: list[int]) -> StorageError | None:

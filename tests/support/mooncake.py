@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 LOOPBACK = "127.0.0.1"
 
@@ -38,7 +38,60 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class MooncakeMaster:
+class _Service:
+    """A child process with a log file: running, stopping and the tail of its log.
+
+    Subclasses start it (setting ``_process``) in ``start()``; use as a context manager.
+    """
+
+    log_path: Path
+    _process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the process."""
+        raise NotImplementedError
+
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def running(self) -> bool:
+        """Whether the process is alive."""
+        return self._process is not None and self._process.poll() is None
+
+    def stop(self) -> None:
+        """Stop the process: SIGTERM, then SIGKILL if it has not exited within 10 s."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """Return the last ``lines`` lines of the process's log."""
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class MooncakeMaster(_Service):
     """One ``mooncake_master`` process on loopback; use as a context manager.
 
     Args:
@@ -54,7 +107,6 @@ class MooncakeMaster:
         self.log_path = log_dir / "mooncake_master.log"
         self.ready_timeout_s = ready_timeout_s
         self.rpc_port = self.http_port = self.metrics_port = 0
-        self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def master_address(self) -> str:
@@ -65,11 +117,6 @@ class MooncakeMaster:
     def metadata_url(self) -> str:
         """URL of the embedded HTTP metadata server, as clients' ``metadata_server``."""
         return f"http://{LOOPBACK}:{self.http_port}/metadata"
-
-    @property
-    def running(self) -> bool:
-        """Whether the master process is alive."""
-        return self._process is not None and self._process.poll() is None
 
     def start(self) -> None:
         """Start the master and return once it reports healthy; raise with its log if not."""
@@ -99,8 +146,7 @@ class MooncakeMaster:
             time.sleep(0.5)
 
     def _launch(self) -> bool:
-        log = self.log_path.open("ab")
-        self._process = subprocess.Popen(
+        self._spawn(
             [
                 str(self.binary),
                 f"--rpc_address={LOOPBACK}",
@@ -110,11 +156,8 @@ class MooncakeMaster:
                 f"--http_metadata_server_port={self.http_port}",
                 f"--metrics_host={LOOPBACK}",
                 f"--metrics_port={self.metrics_port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            ]
         )
-        log.close()
         return self._wait_healthy()
 
     def _wait_healthy(self) -> bool:
@@ -133,36 +176,6 @@ class MooncakeMaster:
             time.sleep(0.1)
         return False
 
-    def stop(self) -> None:
-        """Stop the master: SIGTERM, then SIGKILL if it has not exited within 10 s."""
-        process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-    def log_tail(self, lines: int = 40) -> str:
-        """Return the last ``lines`` lines of the master's log."""
-        if not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def __enter__(self) -> MooncakeMaster:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
-
 
 def mooncake_client_path() -> Path | None:
     """Return the ``mooncake_client`` launcher (a process that contributes a segment)."""
@@ -171,7 +184,7 @@ def mooncake_client_path() -> Path | None:
     return Path(found) if found else None
 
 
-class MooncakeSegment:
+class MooncakeSegment(_Service):
     """A separate ``mooncake_client`` process that contributes memory to a master.
 
     Objects a client without memory of its own stores land in this segment, so their
@@ -191,12 +204,10 @@ class MooncakeSegment:
         self.master = master
         self.size = size
         self.log_path = master.log_path.with_name("mooncake_segment.log")
-        self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         """Start the segment process; it mounts within a second (see MooncakeCluster)."""
-        log = self.log_path.open("ab")
-        self._process = subprocess.Popen(
+        self._spawn(
             [
                 str(self.binary),
                 f"--host={LOOPBACK}",
@@ -206,46 +217,8 @@ class MooncakeSegment:
                 f"--metadata_server={self.master.metadata_url}",
                 "--protocol=tcp",
             ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
             env=dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK),
         )
-        log.close()
-
-    @property
-    def running(self) -> bool:
-        """Whether the segment process is alive."""
-        return self._process is not None and self._process.poll() is None
-
-    def log_tail(self, lines: int = 20) -> str:
-        """Return the last ``lines`` lines of the segment process's log."""
-        if not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        """Stop the segment process (SIGTERM, then SIGKILL after 10 s)."""
-        process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-    def __enter__(self) -> MooncakeSegment:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 class MooncakeCluster:
