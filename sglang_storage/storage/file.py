@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
 import itertools
 import json
 import logging
@@ -32,17 +31,15 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Final
 
 import attrs
 import xxhash
 
 from sglang_storage.config import BYTES, instance_of, int_in_range, optional, positive_int
 from sglang_storage.core import (
-    DataKind,
     EvictionPolicy,
     GetRequest,
     GetResult,
@@ -50,12 +47,9 @@ from sglang_storage.core import (
     ObjectKey,
     PutRequest,
     PutResult,
-    Shard,
 )
 from sglang_storage.errors import (
-    BackendIOError,
     BackendUnavailableError,
-    CapacityError,
     ConfigError,
     CorruptObjectError,
     StorageError,
@@ -77,17 +71,22 @@ from sglang_storage.storage.format import (
     encode_header,
     header_template,
 )
+from sglang_storage.storage.posix import (
+    IOV_MAX,
+    IOThreads,
+    advance,
+    io_error,
+    namespace_of,
+    process_alive,
+    subdirs,
+    write_error,
+)
 
 __all__ = ["Durability", "FileBackend", "FileBackendConfig"]
 
 log = logging.getLogger(__name__)
 
 MARKER: Final = "sglang-storage.json"
-_IOV_MAX: Final = 1024
-_SPACE_ERRNOS: Final = (errno.ENOSPC, errno.EDQUOT)
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 class Durability(enum.Enum):
@@ -155,7 +154,7 @@ class FileBackend:
         self._stats = StatsRecorder()
         self._quarantined = 0
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads = IOThreads(config.io_threads, self.name)
         self._closed = False
         self._prepare()
         self._rebuild_index()
@@ -190,7 +189,7 @@ class FileBackend:
         """Delete temporary files left by processes that no longer run."""
         for entry in os.scandir(self._tmp_dir):
             pid_text = entry.name.split(".", 1)[0]
-            if pid_text.isdigit() and not _process_alive(int(pid_text)):
+            if pid_text.isdigit() and not process_alive(int(pid_text)):
                 if entry.is_dir(follow_symlinks=False):
                     # A namespace a dead process was clearing.
                     shutil.rmtree(entry.path, ignore_errors=True)
@@ -213,13 +212,13 @@ class FileBackend:
         self._delete_files(self._index.over_capacity())
 
     def _scan(self) -> Iterator[tuple[ObjectKey, os.DirEntry[str]]]:
-        for model in _subdirs(self._objects_dir):
-            for kind in _subdirs(Path(model.path)):
-                for shard in _subdirs(Path(kind.path)):
-                    namespace = _namespace_of(model.name, kind.name, shard.name)
+        for model in subdirs(self._objects_dir):
+            for kind in subdirs(Path(model.path)):
+                for shard in subdirs(Path(kind.path)):
+                    namespace = namespace_of(model.name, kind.name, shard.name)
                     if namespace is None:
                         continue
-                    for fan in _subdirs(Path(shard.path)):
+                    for fan in subdirs(Path(shard.path)):
                         for entry in os.scandir(fan.path):
                             key = _key_of(namespace, entry.name)
                             # A file outside its own fan directory is not where path_of
@@ -277,7 +276,7 @@ class FileBackend:
         # without the GIL, so they overlap); this thread then checks every header and
         # builds the results.
         reads = [_Read(self._path(r.key), r) for r in requests]
-        self._spread(_read_raw, reads)
+        self._threads.spread(_read_raw, reads)
         results = [self._finish(read) for read in reads]
         self._stats.record_gets(results)
         return results
@@ -285,7 +284,7 @@ class FileBackend:
     def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
         """Write each request's buffers as a whole file; existing keys are kept."""
         self._check_open()
-        results = self._spread(self._put, requests)
+        results = self._threads.spread(self._put, requests)
         self._stats.record_puts(results)
         return results
 
@@ -301,7 +300,7 @@ class FileBackend:
             except FileNotFoundError:
                 pass
             except OSError as error:
-                raise _io_error(self.name, f"delete of {key}", error) from error
+                raise io_error(self.name, f"delete of {key}", error) from error
         self._stats.record_deleted(removed)
 
     def clear(self, namespace: Namespace) -> None:
@@ -315,7 +314,7 @@ class FileBackend:
         except FileNotFoundError:
             pass
         except OSError as error:
-            raise _io_error(self.name, f"clear of {namespace.path}", error) from error
+            raise io_error(self.name, f"clear of {namespace.path}", error) from error
         else:
             shutil.rmtree(doomed, ignore_errors=True)
         for key in self._index.keys():  # noqa: SIM118 - a snapshot, not a dict
@@ -340,9 +339,7 @@ class FileBackend:
         """Stop the I/O threads; later calls raise ``BackendUnavailableError``."""
         with self._lock:
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._threads.close()
 
     def __enter__(self) -> FileBackend:
         return self
@@ -357,7 +354,7 @@ class FileBackend:
         key = request.key
         if read.error is not None:
             scrub(request.buffers)
-            return GetResult.error_of(key, _io_error(self.name, f"read of {key}", read.error))
+            return GetResult.error_of(key, io_error(self.name, f"read of {key}", read.error))
         if read.got < 0:
             self._index.remove(key)
             return GetResult.miss_of(key)
@@ -430,7 +427,7 @@ class FileBackend:
             self._write(request, path)
         except OSError as error:
             self._index.release(size)
-            return PutResult.error_of(key, self._write_error(key, size, error))
+            return PutResult.error_of(key, write_error(self.name, self._root, key, size, error))
         self._index.commit(key, size)
         return PutResult.stored_of(request)
 
@@ -458,21 +455,6 @@ class FileBackend:
         if durability is Durability.FULL:
             _fsync_dir(os.path.dirname(path))
 
-    def _write_error(self, key: ObjectKey, size: int, error: OSError) -> StorageError:
-        if error.errno in _SPACE_ERRNOS:
-            try:
-                usage = shutil.disk_usage(self._root)
-                free = usage.free
-            except OSError:
-                free = 0
-            return CapacityError(
-                resource=f"disk space under {self._root}",
-                requested=size,
-                available=free,
-                hint=f"writing {key} failed: {error.strerror}",
-            )
-        return _io_error(self.name, f"write of {key}", error)
-
     def _delete_files(self, keys: Sequence[ObjectKey]) -> None:
         for key in keys:
             with contextlib.suppress(FileNotFoundError):
@@ -480,30 +462,6 @@ class FileBackend:
         self._stats.record_evicted(len(keys))
 
     # ------------------------------------------------------------------ threads
-
-    def _spread(self, work: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        threads = self._config.io_threads
-        if threads == 1 or len(items) < 2:
-            return [work(item) for item in items]
-        pool = self._executor()
-        chunk = -(-len(items) // threads)
-        parts = [items[i : i + chunk] for i in range(0, len(items), chunk)]
-        futures = [pool.submit(_run_all, work, part) for part in parts[1:]]
-        results = _run_all(work, parts[0])
-        for future in futures:
-            results.extend(future.result())
-        return results
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._closed:
-                raise BackendUnavailableError(backend=self.name, reason="the backend was closed")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self._config.io_threads - 1,
-                    thread_name_prefix="sglang-storage-file",
-                )
-            return self._pool
 
     def _check_open(self) -> None:
         if self._closed:
@@ -554,10 +512,6 @@ def _read_raw(read: _Read) -> None:
         os.close(fd)
 
 
-def _run_all(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
-    return [work(item) for item in items]
-
-
 def _readv_full(fd: int, views: list[memoryview], offset: int) -> int:
     """Read into ``views`` from ``offset`` until they are full or the file ends.
 
@@ -566,32 +520,20 @@ def _readv_full(fd: int, views: list[memoryview], offset: int) -> int:
     total = 0
     pending = views
     while pending:
-        batch = pending[:_IOV_MAX] if len(pending) > _IOV_MAX else pending
+        batch = pending[:IOV_MAX] if len(pending) > IOV_MAX else pending
         got = os.preadv(fd, batch, offset + total)
         total += got
         if got < sum(v.nbytes for v in batch) or got == 0:
             break
-        pending = _advance(pending, got)
+        pending = advance(pending, got)
     return total
 
 
 def _writev_full(fd: int, views: list[memoryview]) -> None:
     pending = [v for v in views if v.nbytes]
     while pending:
-        written = os.writev(fd, pending[:_IOV_MAX])
-        pending = _advance(pending, written)
-
-
-def _advance(views: list[memoryview], count: int) -> list[memoryview]:
-    """Drop ``count`` bytes from the front of ``views``."""
-    index = 0
-    while index < len(views) and count >= views[index].nbytes:
-        count -= views[index].nbytes
-        index += 1
-    rest = views[index:]
-    if rest and count:
-        rest[0] = rest[0][count:]
-    return rest
+        written = os.writev(fd, pending[:IOV_MAX])
+        pending = advance(pending, written)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -600,34 +542,6 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _io_error(backend: str, operation: str, error: OSError) -> BackendIOError:
-    return BackendIOError(backend=backend, operation=operation, reason=str(error), code=error.errno)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _subdirs(path: Path) -> list[os.DirEntry[str]]:
-    try:
-        return [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return []
-
-
-def _namespace_of(model: str, kind: str, shard: str) -> Namespace | None:
-    try:
-        return Namespace(model=model, kind=DataKind(kind), shard=Shard.from_label(shard))
-    except (ValueError, ConfigError):
-        return None
 
 
 def _key_of(namespace: Namespace, name: str) -> ObjectKey | None:

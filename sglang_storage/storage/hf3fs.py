@@ -69,16 +69,14 @@ import json
 import logging
 import os
 import re
-import shutil
 import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol, TypeVar
+from typing import Any, Final, Literal, Protocol
 
 import attrs
 import xxhash
@@ -92,7 +90,6 @@ from sglang_storage.config import (
     positive_int,
 )
 from sglang_storage.core import (
-    DataKind,
     EvictionPolicy,
     GetRequest,
     GetResult,
@@ -100,10 +97,8 @@ from sglang_storage.core import (
     ObjectKey,
     PutRequest,
     PutResult,
-    Shard,
 )
 from sglang_storage.errors import (
-    BackendIOError,
     BackendUnavailableError,
     CapacityError,
     ConfigError,
@@ -127,6 +122,16 @@ from sglang_storage.storage.format import (
     decode_header,
     encode_header,
     header_template,
+)
+from sglang_storage.storage.posix import (
+    IOV_MAX,
+    IOThreads,
+    advance,
+    io_error,
+    namespace_of,
+    process_alive,
+    subdirs,
+    write_error,
 )
 
 __all__ = [
@@ -152,9 +157,7 @@ on the mount) or ``"auto"`` (usrbio when importable and the root is on 3FS)."""
 
 _CLASS_FILE: Final = "class.json"
 _LOCK_FILE: Final = "lock"
-_IOV_MAX: Final = 1024
 _STRIPES: Final = 64
-_SPACE_ERRNOS: Final = (errno.ENOSPC, errno.EDQUOT)
 _ZERO_HEADER: Final = bytes(HEADER_SIZE)
 # format.py: the five length-prefixed names start after 96 bytes of fixed fields.
 _NAMES_AT: Final = 96
@@ -162,9 +165,6 @@ _NAMES_AT: Final = 96
 _FLOCK: Final = struct.Struct("@hhqqi4x")
 _RACY_NS: Final = 2_000_000_000
 _USRBIO_TIMEOUT: Final = datetime.timedelta(seconds=60)
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 def _multiple_of_alignment(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -544,7 +544,7 @@ class Hf3fsBackend:
         self._ticks: dict[ObjectKey, int] = {}
         self._clock = itertools.count(1)
         self._quarantined = 0
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads = IOThreads(config.io_threads, self.name)
         self._closed = False
         self._mount_point, self._fstype = self._check_root()
         self._io = self._open_client()
@@ -648,16 +648,16 @@ class Hf3fsBackend:
     def _remove_orphans(self) -> None:
         for entry in os.scandir(self._tmp_dir):
             pid_text = entry.name.split(".", 1)[0]
-            if pid_text.isdigit() and not _process_alive(int(pid_text)):
+            if pid_text.isdigit() and not process_alive(int(pid_text)):
                 with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                     Path(entry.path).unlink()
 
     def _rebuild_index(self) -> None:
         """Index every valid object in the data files (in file order)."""
-        for model in _subdirs(self._classes_dir):
-            for kind in _subdirs(Path(model.path)):
-                for shard in _subdirs(Path(kind.path)):
-                    namespace = _namespace_of(model.name, kind.name, shard.name)
+        for model in subdirs(self._classes_dir):
+            for kind in subdirs(Path(model.path)):
+                for shard in subdirs(Path(kind.path)):
+                    namespace = namespace_of(model.name, kind.name, shard.name)
                     if namespace is None:
                         continue
                     for cls in self._classes_of(namespace).values():
@@ -714,7 +714,7 @@ class Hf3fsBackend:
             known = dict(listing.by_size) if listing is not None else {}
             missing_class = False
             if signature is not None:
-                for entry in _subdirs(directory):
+                for entry in subdirs(directory):
                     size = _slot_size_of(entry.name)
                     if size is None or size in known:
                         continue
@@ -845,7 +845,7 @@ class Hf3fsBackend:
         """Read and verify each requested object straight into its buffers."""
         self._check_open()
         listings = self._listings_for([r.key for r in requests])
-        results = self._spread(lambda r: self._get(r, listings[r.key.namespace]), requests)
+        results = self._threads.spread(lambda r: self._get(r, listings[r.key.namespace]), requests)
         self._stats.record_gets(results)
         return results
 
@@ -853,7 +853,7 @@ class Hf3fsBackend:
         """Write each request's buffers into a slot; existing keys are kept."""
         self._check_open()
         listings = self._listings_for([r.key for r in requests])
-        results = self._spread(lambda r: self._put(r, listings[r.key.namespace]), requests)
+        results = self._threads.spread(lambda r: self._put(r, listings[r.key.namespace]), requests)
         self._stats.record_puts(results)
         return results
 
@@ -877,7 +877,7 @@ class Hf3fsBackend:
                         os.ftruncate(fd, 0)
                         os.ftruncate(fd, cls.file_size)
                     except OSError as error:
-                        raise _io_error(
+                        raise io_error(
                             self.name, f"clear of {namespace.path} ({cls.path(file)})", error
                         ) from error
         for key in self._index.keys():  # noqa: SIM118 - a snapshot, not a dict
@@ -907,9 +907,7 @@ class Hf3fsBackend:
             if self._closed:
                 return
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._threads.close()
         self._release()
 
     def _release(self) -> None:
@@ -987,7 +985,7 @@ class Hf3fsBackend:
                     return result
         except OSError as error:
             scrub(request.buffers)
-            return GetResult.error_of(key, _io_error(self.name, f"read of {key}", error))
+            return GetResult.error_of(key, io_error(self.name, f"read of {key}", error))
         self._forget(key)
         return GetResult.miss_of(key)
 
@@ -1085,7 +1083,7 @@ class Hf3fsBackend:
                 if found is not None and _header_ok(found[1]):
                     return self._present(key, found[1])
         except OSError as error:
-            return PutResult.error_of(key, _io_error(self.name, f"write of {key}", error))
+            return PutResult.error_of(key, io_error(self.name, f"write of {key}", error))
         try:
             victims = self._index.reserve(size)
         except StorageError as error:
@@ -1098,7 +1096,7 @@ class Hf3fsBackend:
             written = self._write(cls, key, header, request.buffers)
         except OSError as error:
             self._index.release(size)
-            return PutResult.error_of(key, self._write_error(key, size, error))
+            return PutResult.error_of(key, write_error(self.name, self._root, key, size, error))
         except StorageError as error:
             self._index.release(size)
             return PutResult.error_of(key, error)
@@ -1193,7 +1191,7 @@ class Hf3fsBackend:
                                 self._io.write(fd, offset, [memoryview(_ZERO_HEADER)])
                                 found = True
             except OSError as error:
-                raise _io_error(self.name, f"delete of {key}", error) from error
+                raise io_error(self.name, f"delete of {key}", error) from error
             finally:
                 self._forget(key)
             removed += found
@@ -1205,44 +1203,7 @@ class Hf3fsBackend:
         self._hints.pop(key, None)
         self._ticks.pop(key, None)
 
-    def _write_error(self, key: ObjectKey, size: int, error: OSError) -> StorageError:
-        if error.errno in _SPACE_ERRNOS:
-            try:
-                free = shutil.disk_usage(self._root).free
-            except OSError:
-                free = 0
-            return CapacityError(
-                resource=f"space under {self._root}",
-                requested=size,
-                available=free,
-                hint=f"writing {key} failed: {error.strerror}",
-            )
-        return _io_error(self.name, f"write of {key}", error)
-
     # ------------------------------------------------------------------ threads
-
-    def _spread(self, work: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        threads = self._config.io_threads
-        if threads == 1 or len(items) < 2:
-            return [work(item) for item in items]
-        pool = self._executor()
-        chunk = -(-len(items) // threads)
-        parts = [items[i : i + chunk] for i in range(0, len(items), chunk)]
-        futures = [pool.submit(_run_all, work, part) for part in parts[1:]]
-        results = _run_all(work, parts[0])
-        for future in futures:
-            results.extend(future.result())
-        return results
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            self._check_open()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self._config.io_threads - 1,
-                    thread_name_prefix="sglang-storage-hf3fs",
-                )
-            return self._pool
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1333,11 +1294,11 @@ def _preadv_full(fd: int, views: Sequence[memoryview], offset: int) -> int:
     total = 0
     pending = [v for v in views if v.nbytes]
     while pending:
-        got = os.preadv(fd, pending[:_IOV_MAX], offset + total)
+        got = os.preadv(fd, pending[:IOV_MAX], offset + total)
         if got == 0:
             break
         total += got
-        pending = _advance(pending, got)
+        pending = advance(pending, got)
     return total
 
 
@@ -1345,21 +1306,9 @@ def _pwritev_full(fd: int, views: Sequence[memoryview], offset: int) -> None:
     total = 0
     pending = [v for v in views if v.nbytes]
     while pending:
-        written = os.pwritev(fd, pending[:_IOV_MAX], offset + total)
+        written = os.pwritev(fd, pending[:IOV_MAX], offset + total)
         total += written
-        pending = _advance(pending, written)
-
-
-def _advance(views: list[memoryview], count: int) -> list[memoryview]:
-    """Drop ``count`` bytes from the front of ``views``."""
-    index = 0
-    while index < len(views) and count >= views[index].nbytes:
-        count -= views[index].nbytes
-        index += 1
-    rest = views[index:]
-    if rest and count:
-        rest[0] = rest[0][count:]
-    return rest
+        pending = advance(pending, written)
 
 
 def _scatter(source: memoryview, views: Sequence[memoryview], start: int) -> None:
@@ -1388,35 +1337,3 @@ def _gather(views: Sequence[memoryview], start: int, target: memoryview) -> None
             target[done : done + count] = view[begin : begin + count]
             done += count
         position = end
-
-
-def _run_all(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
-    return [work(item) for item in items]
-
-
-def _io_error(backend: str, operation: str, error: OSError) -> BackendIOError:
-    return BackendIOError(backend=backend, operation=operation, reason=str(error), code=error.errno)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _subdirs(path: Path) -> list[os.DirEntry[str]]:
-    try:
-        return [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return []
-
-
-def _namespace_of(model: str, kind: str, shard: str) -> Namespace | None:
-    try:
-        return Namespace(model=model, kind=DataKind(kind), shard=Shard.from_label(shard))
-    except (ValueError, ConfigError):
-        return None
