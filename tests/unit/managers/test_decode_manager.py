@@ -7,15 +7,15 @@ into a fresh device pool, and compared bit for bit with the original device KV.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from support.faults import FaultyBackend, FaultyIO
 
-from sglang_storage.core import GetRequest, GetResult, ObjectKey, PutRequest, PutResult
-from sglang_storage.errors import ConfigError, StateError, StorageError
+from sglang_storage.core import GetRequest
+from sglang_storage.errors import ConfigError, StateError
 from sglang_storage.managers.decode import (
     BackupDone,
     BackupFailed,
@@ -38,12 +38,10 @@ from sglang_storage.memory import (
 from sglang_storage.storage import Backend, create_backend
 from sglang_storage.storage.keys import kv_namespace, model_fingerprint, namespace_seed, page_hashes
 from sglang_storage.transfer import (
-    CopyPlan,
     DeviceHostPipeline,
     DeviceKV,
     StoragePipeline,
     StoragePipelineConfig,
-    TorchIOBackend,
 )
 
 PAGE = 4
@@ -81,51 +79,6 @@ def random_device(g: KVGeometry, seed: int = 0) -> DeviceKV:
     return kv
 
 
-class FaultyStore:
-    """Wraps a backend: the next calls raise, and chosen keys fail one by one."""
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.raise_next = 0
-        self.error_keys: set[ObjectKey] = set()
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def _fault(self) -> None:
-        assert self.gate.wait(WAIT_S)
-        if self.raise_next:
-            self.raise_next -= 1
-            raise StorageError("injected backend failure")
-
-    def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        self._fault()
-        return self.inner.exists(keys)
-
-    def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
-        self._fault()
-        return self.inner.get_into(requests)
-
-    def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
-        self._fault()
-        bad = [r for r in requests if r.key in self.error_keys]
-        good = self.inner.put_from([r for r in requests if r.key not in self.error_keys])
-        by_key = {result.key: result for result in good}
-        by_key |= {r.key: PutResult.error_of(r.key, StorageError("injected put")) for r in bad}
-        return [by_key[r.key] for r in requests]
-
-
-class FaultyIO(TorchIOBackend):
-    """The torch I/O backend whose copies fail while ``fail`` is set."""
-
-    fail = False
-
-    def plan(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> CopyPlan:
-        if self.fail:
-            raise RuntimeError("injected copy failure")
-        return super().plan(host_pages, device_pages)
-
-
 class Rig:
     def __init__(
         self,
@@ -140,7 +93,7 @@ class Rig:
         self.host = KVHostPool(g, memory())
         self.io = FaultyIO(self.device_kv, self.host)
         self.device = DeviceHostPipeline(self.device_kv, self.host, io_backend=self.io)
-        self.store = FaultyStore(backend)
+        self.store = FaultyBackend(backend, name=backend.name, key_errors_on={"put"})
         self.storage = StoragePipeline(
             self.store, pipeline or StoragePipelineConfig(workers=2, batch_pages=8)
         )

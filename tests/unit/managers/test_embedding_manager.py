@@ -5,24 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
+from support.faults import FaultyBackend, PipelineCloser
 from support.pagestores import GatedPageStore
 
-from sglang_storage.core import (
-    GetOutcome,
-    GetRequest,
-    GetResult,
-    ObjectKey,
-    PutOutcome,
-    PutRequest,
-    PutResult,
-)
-from sglang_storage.errors import CapacityError, ConfigError, StateError, StorageError
+from sglang_storage.core import GetOutcome, PutOutcome
+from sglang_storage.errors import CapacityError, ConfigError, StateError
 from sglang_storage.managers.embedding import (
     EmbeddingCacheConfig,
     EmbeddingCacheManager,
@@ -51,54 +44,8 @@ PAGE_BYTES = ROWS_PER_PAGE * DIM * 2  # bfloat16
 WAIT_S = 10.0
 
 
-_PIPELINES: list[StoragePipeline] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_pipelines() -> Iterator[None]:
-    """Stop every pipeline a test built, so no worker thread outlives its test."""
-    yield
-    _close_all()
-
-
-def _close_all() -> None:
-    while _PIPELINES:
-        _PIPELINES.pop().close(drain=False, timeout_s=5.0)
-
-
-class FaultyBackend:
-    """Test double around a real backend: whole-call failures and per-key errors on demand."""
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-        self.name = f"faulty-{inner.name}"
-        self.fail_gets = False
-        self.fail_puts = False
-        self.error_keys: set[str] = set()
-
-    def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        return self.inner.exists(keys)
-
-    def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
-        if self.fail_gets:
-            raise StorageError("injected: the store is unreachable")
-        results = self.inner.get_into(requests)
-        return [
-            GetResult.error_of(r.key, StorageError("injected read error"))
-            if r.key.name in self.error_keys
-            else r
-            for r in results
-        ]
-
-    def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
-        if self.fail_puts:
-            raise StorageError("injected: the store is unreachable")
-        return [
-            PutResult.error_of(r.key, StorageError("injected write error"))
-            if r.key.name in self.error_keys
-            else self.inner.put_from([r])[0]
-            for r in requests
-        ]
+_PIPELINES = PipelineCloser()
+_close_pipelines = _PIPELINES.autouse_fixture()
 
 
 def _memory(total: int = 16 << 20) -> HostMemory:
@@ -124,7 +71,7 @@ def _parts(
 ) -> Parts:
     pipeline = None if store is None else StoragePipeline(store, StoragePipelineConfig(workers=1))
     if pipeline is not None:
-        _PIPELINES.append(pipeline)
+        _PIPELINES.track(pipeline)
     config = EmbeddingCacheConfig(model="test-model", rank=rank, owner_rank=owner)
     pool = _pool(pages)
     return Parts(EmbeddingCacheManager(config, pool, LRUPolicy(), pipeline), pool, pipeline)
@@ -159,7 +106,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
     else:
         store = FileBackend(FileBackendConfig(root=tmp_path / "store"))
     yield store
-    _close_all()  # before the store: no worker may still be calling it
+    _PIPELINES.close_all()  # before the store: no worker may still be calling it
     store.close()
 
 

@@ -16,9 +16,10 @@ from typing import TypeVar
 
 import pytest
 import torch
+from support.faults import FaultyBackend, FaultyIO
+from support.pagestores import FakeClock
 
-from sglang_storage.core import GetRequest, GetResult, ObjectKey, PutRequest, PutResult
-from sglang_storage.errors import BackendIOError, ConfigError, CorruptObjectError, StateError
+from sglang_storage.errors import ConfigError, StateError
 from sglang_storage.managers.kv import (
     BackupDone,
     HostReleased,
@@ -52,12 +53,10 @@ from sglang_storage.policy import (
 from sglang_storage.storage import Backend, create_backend
 from sglang_storage.storage.keys import kv_namespace, model_fingerprint, page_hashes
 from sglang_storage.transfer import (
-    CopyPlan,
     DeviceHostPipeline,
     DeviceKV,
     StoragePipeline,
     StoragePipelineConfig,
-    TorchIOBackend,
 )
 
 PAGE = 4
@@ -66,68 +65,6 @@ HOST_PAGES = 16
 PAGES = 6
 WAIT_S = 10.0
 NAMESPACE = kv_namespace(model_fingerprint("test/kv", page_size=PAGE), mla=False)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FaultyBackend:
-    """Test double around a real backend: corrupt or vanished objects, failing or held calls."""
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.corrupt: set[ObjectKey] = set()
-        self.vanished: set[ObjectKey] = set()  # exist, then are gone when read
-        self.put_errors: set[ObjectKey] = set()
-        self.fail_puts = False
-        self.fail_exists = False
-        self.gate = threading.Event()
-        self.gate.set()
-        self.gets_started = 0
-
-    def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        if self.fail_exists:
-            raise BackendIOError(backend=self.name, operation="exists", reason="injected")
-        return self.inner.exists(keys)
-
-    def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
-        self.gets_started += 1
-        assert self.gate.wait(WAIT_S)
-        results = self.inner.get_into(requests)
-        for i, r in enumerate(requests):
-            if r.key in self.corrupt:
-                results[i] = GetResult.corrupt_of(
-                    r.key, CorruptObjectError(key=str(r.key), reason="injected")
-                )
-            elif r.key in self.vanished:
-                results[i] = GetResult.miss_of(r.key)
-        return results
-
-    def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
-        assert self.gate.wait(WAIT_S)
-        if self.fail_puts:
-            raise BackendIOError(backend=self.name, operation="put", reason="injected")
-        results = self.inner.put_from([r for r in requests if r.key not in self.put_errors])
-        by_key = {r.key: r for r in results}
-        error = BackendIOError(backend=self.name, operation="put", reason="injected key")
-        return [by_key.get(r.key) or PutResult.error_of(r.key, error) for r in requests]
-
-
-class FaultyIO(TorchIOBackend):
-    """The torch I/O backend whose copies fail while ``fail`` is set."""
-
-    fail = False
-
-    def plan(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> CopyPlan:
-        if self.fail:
-            raise RuntimeError("injected copy failure")
-        return super().plan(host_pages, device_pages)
 
 
 class NoAgreement:
@@ -211,7 +148,7 @@ class Rig:
         side_kind: str = "record",
     ) -> None:
         g = geometry()
-        self.clock = FakeClock()
+        self.clock = FakeClock(start=100.0)
         self.device = random_device(g)
         self.host = KVHostPool(g, memory())
         self.records: RecordPool | KVHostPool = RecordPool(
@@ -232,7 +169,10 @@ class Rig:
             self.records = KVHostPool(side_geometry, memory())
             side_rows = torch.randn(PAGES, side_geometry.page_numel).to(torch.bfloat16)
         self.io = FaultyIO(self.device, self.host)
-        self.store = FaultyBackend(backend)
+        # Exists answers while the gate holds gets and puts; error keys fail puts only.
+        self.store = FaultyBackend(
+            backend, name=backend.name, gated={"get", "put"}, key_errors_on={"put"}
+        )
         self.storage = StoragePipeline(self.store, StoragePipelineConfig(workers=2, batch_pages=4))
         self.manager = KVCacheManager(
             host=self.host,
@@ -459,7 +399,7 @@ def test_failed_backup_is_reported_and_the_page_is_dropped_on_eviction(
 
 def test_a_side_part_that_failed_to_store_is_not_a_backup(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig()
-    rig.store.put_errors.add(NAMESPACE.key(rig.keys[4] + "-mamba"))
+    rig.store.error_keys.add(NAMESPACE.key(rig.keys[4] + "-mamba"))
     rig.manager.device_hit(rig.keys, tokens(range(PAGES)), side=rig.side)
     [done] = wait_events(rig, BackupDone)
     assert done.failed == (rig.keys[4],)
@@ -527,11 +467,11 @@ def test_timeout_policy_ends_a_stuck_prefetch_and_frees_its_pages_later(
     rig.store.gate.clear()  # every get is stuck
     m = rig.manager
     assert m.prefetch("r", rig.keys)
-    rig.until(lambda: rig.store.gets_started > 0)
+    rig.until(lambda: rig.store.started["get"] > 0)
     assert m.check_prefetch("r") is None
-    rig.clock.now += 1.0  # SGLang's deadline: 1 s + 6 pages * 4/1024 * 0.25 s
+    rig.clock.advance(1.0)  # SGLang's deadline: 1 s + 6 pages * 4/1024 * 0.25 s
     assert m.check_prefetch("r") is None
-    rig.clock.now += 0.01
+    rig.clock.advance(0.01)
     done = m.check_prefetch("r")
     assert done is not None
     assert done.keys == ()

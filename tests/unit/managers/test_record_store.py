@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
+from support.faults import FaultyBackend, PipelineCloser
 
-from sglang_storage.core import (
-    GetOutcome,
-    GetRequest,
-    GetResult,
-    ObjectKey,
-    PutOutcome,
-    PutRequest,
-    PutResult,
-)
-from sglang_storage.errors import ConfigError, StateError, StorageError
+from sglang_storage.core import GetOutcome, PutOutcome
+from sglang_storage.errors import ConfigError, StateError
 from sglang_storage.managers.records import (
     RecordEvent,
     RecordStore,
@@ -43,57 +35,8 @@ from sglang_storage.transfer import StoragePipeline, StoragePipelineConfig
 WAIT_S = 10.0
 
 
-_PIPELINES: list[StoragePipeline] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_pipelines() -> Iterator[None]:
-    """Stop every pipeline a test built, so no worker thread outlives its test."""
-    yield
-    _close_all()
-
-
-def _close_all() -> None:
-    while _PIPELINES:
-        _PIPELINES.pop().close(drain=False, timeout_s=5.0)
-
-
-class FaultyBackend:
-    """Test double around a real backend: failures, per-key errors and a gate on puts."""
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-        self.name = f"faulty-{inner.name}"
-        self.fail_gets = False
-        self.fail_puts = False
-        self.fail_deletes = False
-        self.error_keys: set[str] = set()
-        self.put_gate = threading.Event()
-        self.put_gate.set()
-
-    def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        return self.inner.exists(keys)
-
-    def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
-        if self.fail_gets:
-            raise StorageError("injected: the store is unreachable")
-        return [
-            GetResult.error_of(r.key, StorageError("injected read error"))
-            if r.key.name in self.error_keys
-            else self.inner.get_into([r])[0]
-            for r in requests
-        ]
-
-    def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
-        assert self.put_gate.wait(WAIT_S), "the test never opened the put gate"
-        if self.fail_puts:
-            raise StorageError("injected: the store is unreachable")
-        return self.inner.put_from(requests)
-
-    def delete(self, keys: Sequence[ObjectKey]) -> None:
-        if self.fail_deletes:
-            raise StorageError("injected delete failure")
-        self.inner.delete(keys)
+_PIPELINES = PipelineCloser()
+_close_pipelines = _PIPELINES.autouse_fixture()
 
 
 def _pool() -> BlobPool:
@@ -114,8 +57,8 @@ def _parts(backend: FaultyBackend | Backend | None, *, keep_host_copy: bool = Fa
     if backend is None:
         return Parts(RecordStore(config, pool), pool, None)
     pipeline = StoragePipeline(backend, StoragePipelineConfig(workers=1))
-    _PIPELINES.append(pipeline)
-    store = RecordStore(config, pool, pipeline, backend)  # type: ignore[arg-type]
+    _PIPELINES.track(pipeline)
+    store = RecordStore(config, pool, pipeline, backend)
     return Parts(store, pool, pipeline)
 
 
@@ -158,7 +101,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
     else:
         store = FileBackend(FileBackendConfig(root=tmp_path / "store"))
     yield store
-    _close_all()  # before the store: no worker may still be calling it
+    _PIPELINES.close_all()  # before the store: no worker may still be calling it
     store.close()
 
 
@@ -231,9 +174,9 @@ def test_keep_host_copy_takes_locally_and_deletes_the_stored_copy(backend: Backe
 
 
 def test_take_and_discard_while_the_put_is_in_flight(backend: Backend) -> None:
-    faulty = FaultyBackend(backend)
+    faulty = FaultyBackend(backend, gated={"put"}, key_errors_on={"get"})
     store, pool, _ = _parts(faulty)
-    faulty.put_gate.clear()
+    faulty.gate.clear()
     try:
         value = _records()["req-1.topk_ids"]
         store.write("a", value)
@@ -246,7 +189,7 @@ def test_take_and_discard_while_the_put_is_in_flight(backend: Backend) -> None:
         with pytest.raises(StateError):
             store.write("a", value)  # its put is still finishing
     finally:
-        faulty.put_gate.set()
+        faulty.gate.set()
     _events(store, 2)
     assert not _stored(faulty, store, "a")
     assert not _stored(faulty, store, "b")
@@ -299,7 +242,7 @@ def test_spec_is_checked_on_host_and_in_storage(backend: Backend) -> None:
 
 @pytest.mark.parametrize("fault", ["call", "key"])
 def test_failed_takes_are_typed_and_keep_nothing_wrong(backend: Backend, fault: str) -> None:
-    faulty = FaultyBackend(backend)
+    faulty = FaultyBackend(backend, gated={"put"}, key_errors_on={"get"})
     writer, reader = _store(faulty), _store(faulty)
     writer.write("r", torch.arange(8))
     _events(writer, 1)
@@ -319,7 +262,7 @@ def test_failed_takes_are_typed_and_keep_nothing_wrong(backend: Backend, fault: 
 
 
 def test_failed_puts_and_deletes_keep_the_host_copy_readable(backend: Backend) -> None:
-    faulty = FaultyBackend(backend)
+    faulty = FaultyBackend(backend, gated={"put"}, key_errors_on={"get"})
     store, pool, _ = _parts(faulty, keep_host_copy=True)
     faulty.fail_puts = True
     store.write("r", torch.arange(5))

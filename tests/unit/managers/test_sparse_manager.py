@@ -9,16 +9,15 @@ at the backend and in the device copies.
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
+from support.faults import FaultyBackend, FaultyIO
 
-from sglang_storage.core import GetRequest, GetResult, ObjectKey, PutRequest, PutResult
-from sglang_storage.errors import CapacityError, ConfigError, StateError, StorageError
+from sglang_storage.errors import CapacityError, ConfigError, StateError
 from sglang_storage.managers.sparse import (
     BackupDone,
     BackupFailed,
@@ -41,12 +40,10 @@ from sglang_storage.memory import (
 from sglang_storage.storage import Backend, MemoryBackend, create_backend
 from sglang_storage.storage.keys import kv_namespace, model_fingerprint, page_hashes
 from sglang_storage.transfer import (
-    CopyPlan,
     DeviceHostPipeline,
     DeviceKV,
     StoragePipeline,
     StoragePipelineConfig,
-    TorchIOBackend,
 )
 
 SLOTS, MAX_TOKENS, MAX_REQUESTS = 8, 96, 3
@@ -73,58 +70,6 @@ def memory() -> HostMemory:
     return HostMemory(HostMemoryBudget(BudgetConfig(total=64 << 20, headroom=0), facts=facts))
 
 
-class FaultyStore:
-    """Wraps a backend: the next calls raise, and chosen keys fail one by one."""
-
-    def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.raise_next = 0
-        self.error_keys: set[ObjectKey] = set()
-        self.gate, self.entered = threading.Event(), threading.Event()
-        self.gate.set()
-
-    def _fault(self) -> None:
-        self.entered.set()
-        assert self.gate.wait(WAIT_S)
-        if self.raise_next:
-            self.raise_next -= 1
-            raise StorageError("injected backend failure")
-
-    def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        self._fault()
-        return self.inner.exists(keys)
-
-    def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
-        self._fault()
-        results = self.inner.get_into(requests)
-        return [
-            GetResult.error_of(r.key, StorageError("injected get"))
-            if r.key in self.error_keys
-            else r
-            for r in results
-        ]
-
-    def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
-        self._fault()
-        bad = [r for r in requests if r.key in self.error_keys]
-        good = self.inner.put_from([r for r in requests if r.key not in self.error_keys])
-        by_key = {result.key: result for result in good}
-        by_key |= {r.key: PutResult.error_of(r.key, StorageError("injected put")) for r in bad}
-        return [by_key[r.key] for r in requests]
-
-
-class FaultyIO(TorchIOBackend):
-    """The torch I/O backend whose copies fail while ``fail`` is set."""
-
-    fail = False
-
-    def plan(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> CopyPlan:
-        if self.fail:
-            raise RuntimeError("injected copy failure")
-        return super().plan(host_pages, device_pages)
-
-
 class Rig:
     """A manager over CPU pools, and the reference bytes of every appended token."""
 
@@ -141,7 +86,7 @@ class Rig:
         self.host = KVHostPool(g, memory())
         self.io = FaultyIO(self.device_kv, self.host)
         self.device = DeviceHostPipeline(self.device_kv, self.host, io_backend=self.io)
-        self.store = None if backend is None else FaultyStore(backend)
+        self.store = None if backend is None else FaultyBackend(backend, name=backend.name)
         self.storage = (
             None
             if self.store is None
