@@ -44,8 +44,9 @@ import torch
 
 from sglang_storage.core import DTYPE_SIZES, ObjectSpec
 from sglang_storage.errors import ConfigError
+from sglang_storage.memory import dtype_name, tensor_bytes
 
-__all__ = ["PoolPages", "SGLangHostPool", "tensor_bytes"]
+__all__ = ["PoolPages", "SGLangHostPool"]
 
 _LAYOUT_NAME: Final = re.compile(r"[a-z0-9_]{0,32}")
 
@@ -72,24 +73,6 @@ class SGLangHostPool(Protocol):
         ...
 
 
-def tensor_bytes(tensor: torch.Tensor, *, owner: str) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy).
-
-    Raises:
-        ConfigError: the tensor is not on the CPU or not contiguous.
-    """
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ConfigError(
-            owner=owner,
-            field="tensor",
-            value=f"{tensor.device.type} tensor, contiguous={tensor.is_contiguous()}",
-            reason="cannot be viewed as bytes in place",
-            allowed="a contiguous CPU tensor",
-        )
-    flat = tensor.detach().reshape(-1)
-    return flat.view(torch.uint8).numpy().data.cast("B")
-
-
 def _storage_bytes(tensor: torch.Tensor) -> tuple[int, memoryview]:
     """The whole storage under ``tensor``: its address and a byte view of it."""
     storage = tensor.untyped_storage()
@@ -114,7 +97,7 @@ def _runs(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[
 
 
 def _spec_of(page: torch.Tensor, layout: str) -> ObjectSpec:
-    dtype = str(page.dtype).removeprefix("torch.")
+    dtype = dtype_name(page.dtype)
     layout = layout if _LAYOUT_NAME.fullmatch(layout) else ""
     if dtype in DTYPE_SIZES and page.dim() <= 8:
         return ObjectSpec(dtype=dtype, shape=tuple(page.shape), layout=layout)

@@ -88,6 +88,7 @@ from sglang_storage.core import (
     PutResult,
 )
 from sglang_storage.errors import ConfigError, StorageError
+from sglang_storage.memory import tensor_bytes
 from sglang_storage.policy.eviction import EvictionConfig, make_eviction_policy
 from sglang_storage.storage import (
     Backend,
@@ -99,7 +100,7 @@ from sglang_storage.storage import (
 from sglang_storage.storage.backend import MemoryRegistrar, count_prefix
 from sglang_storage.storage.keys import kv_namespace, model_fingerprint
 from sglang_storage_adapters import require_supported_sglang
-from sglang_storage_adapters._sglang_pools import PoolPages, SGLangHostPool, tensor_bytes
+from sglang_storage_adapters._sglang_pools import PoolPages, SGLangHostPool
 
 require_supported_sglang()
 

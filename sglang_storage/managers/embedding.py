@@ -37,13 +37,12 @@ from sglang_storage.core import (
     GetRequest,
     GetResult,
     Namespace,
-    ObjectSpec,
     PutOutcome,
     PutRequest,
     PutResult,
 )
 from sglang_storage.errors import CapacityError, ConfigError, StateError, StorageError
-from sglang_storage.memory import EmbeddingPool
+from sglang_storage.memory import EmbeddingPool, dtype_name, tensor_bytes, tensor_spec
 from sglang_storage.transfer import AnyHandle, Priority, StoragePipeline
 
 __all__ = [
@@ -54,8 +53,6 @@ __all__ = [
     "EmbeddingState",
     "EmbeddingStored",
     "content_hash",
-    "tensor_bytes",
-    "tensor_spec",
 ]
 
 
@@ -68,26 +65,13 @@ def content_hash(*parts: bytes | torch.Tensor) -> str:
     digest = hashlib.sha256()
     for part in parts:
         if isinstance(part, torch.Tensor):
-            header = f"tensor:{str(part.dtype).removeprefix('torch.')}:{tuple(part.shape)};"
+            header = f"tensor:{dtype_name(part.dtype)}:{tuple(part.shape)};"
             digest.update(header.encode())
             digest.update(tensor_bytes(part.detach().to("cpu").contiguous()))
         else:
             digest.update(f"bytes:{len(part)};".encode())
             digest.update(part)
     return digest.hexdigest()
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU ``tensor`` as a flat ``memoryview`` (zero copy)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        reason = "must be a contiguous CPU tensor (a copy would not be the caller's memory)"
-        raise ConfigError(owner="tensor_bytes", field="tensor", reason=reason)
-    return tensor.reshape(-1).view(torch.uint8).numpy().data
-
-
-def tensor_spec(dtype: torch.dtype, shape: Sequence[int]) -> ObjectSpec:
-    """The stored-object spec of a tensor of ``dtype`` and ``shape``."""
-    return ObjectSpec(dtype=str(dtype).removeprefix("torch."), shape=tuple(shape))
 
 
 class EmbeddingState(enum.Enum):

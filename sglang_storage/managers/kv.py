@@ -45,7 +45,7 @@ from sglang_storage.config import instance_of, positive_int, positive_number
 from sglang_storage.core import GetRequest, Namespace, ObjectKey, ObjectSpec, PutRequest
 from sglang_storage.errors import CapacityError, ConfigError, StateError, StorageError
 from sglang_storage.managers.ranks import RankSync, SingleRank
-from sglang_storage.memory import KVHostPool, RecordPool
+from sglang_storage.memory import KVHostPool, RecordPool, tensor_spec
 from sglang_storage.policy import EvictAction, PrefetchStopPolicy, WritePolicy
 from sglang_storage.transfer import (
     CopyDirection,
@@ -116,7 +116,7 @@ class SidePool:
         if isinstance(self.pool, KVHostPool):
             return self.pool.page_spec
         c = self.pool.config
-        return ObjectSpec(dtype=str(c.dtype).removeprefix("torch."), shape=c.shape)
+        return tensor_spec(c.dtype, c.shape)
 
     def views(self, slot: int) -> tuple[memoryview, ...]:
         """Writable byte views of one slot (what a get fills and a put stores)."""

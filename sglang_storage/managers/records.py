@@ -43,8 +43,7 @@ from sglang_storage.core import (
     PutResult,
 )
 from sglang_storage.errors import ConfigError, StateError, StorageError
-from sglang_storage.managers.embedding import tensor_bytes, tensor_spec
-from sglang_storage.memory import BlobPool
+from sglang_storage.memory import BlobPool, tensor_bytes, tensor_spec
 from sglang_storage.storage import Backend
 from sglang_storage.transfer import AnyHandle, Priority, StoragePipeline
 

@@ -42,8 +42,7 @@ from sglang_storage.core import (
     PutRequest,
 )
 from sglang_storage.errors import CapacityError, ConfigError, StateError, StorageError
-from sglang_storage.managers.embedding import tensor_bytes, tensor_spec
-from sglang_storage.memory import BlobPool
+from sglang_storage.memory import BlobPool, tensor_bytes, tensor_spec
 from sglang_storage.memory.records import BLOB_ALIGNMENT
 from sglang_storage.transfer import Priority, StoragePipeline
 

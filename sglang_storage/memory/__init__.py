@@ -16,6 +16,8 @@ the typed host pools. Imports only the shared base (:mod:`sglang_storage.errors`
   one budgeted buffer, closed-state checks, ``close()`` refused while transfers pin data.
 - Pools: :class:`KVHostPool` (SGLang's KV layouts, :mod:`.layouts`), :class:`EmbeddingPool`,
   :class:`RecordPool`, :class:`BlobPool`; each reports :class:`PoolStats`.
+- :func:`tensor_bytes`, :func:`tensor_spec` (:mod:`.tensors`) - host tensors as byte views
+  and stored-object specs.
 """
 
 from sglang_storage.memory.base import HostPool, SlotPool
@@ -51,6 +53,7 @@ from sglang_storage.memory.records import (
 )
 from sglang_storage.memory.slots import SlotAllocator, SlotStats
 from sglang_storage.memory.stats import PoolStats
+from sglang_storage.memory.tensors import dtype_name, tensor_bytes, tensor_spec
 
 __all__ = [
     "KV_DTYPES",
@@ -87,6 +90,9 @@ __all__ = [
     "SlotPool",
     "SlotStats",
     "cuda_available",
+    "dtype_name",
     "make_allocator",
     "read_memory_facts",
+    "tensor_bytes",
+    "tensor_spec",
 ]

@@ -37,6 +37,7 @@ from sglang_storage.memory.host import HostMemory
 from sglang_storage.memory.layouts import KVGeometry, KVLayout, bits_dtype
 from sglang_storage.memory.slots import as_slot_tensor
 from sglang_storage.memory.stats import PoolStats
+from sglang_storage.memory.tensors import tensor_spec
 
 __all__ = ["KVHostPool", "KVLayerView"]
 
@@ -223,9 +224,7 @@ class KVHostPool(SlotPool):
     def page_spec(self) -> ObjectSpec:
         """The spec of one stored page: element type, page shape and this layout."""
         g = self._geometry
-        return ObjectSpec(
-            dtype=str(g.dtype).removeprefix("torch."), shape=g.page_shape, layout=g.layout.value
-        )
+        return tensor_spec(g.dtype, g.page_shape, g.layout.value)
 
     def page_views(self, page: int) -> tuple[memoryview, ...]:
         """Writable byte views of ``page`` whose concatenation is its flat data page.

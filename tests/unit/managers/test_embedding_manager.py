@@ -24,7 +24,6 @@ from sglang_storage.managers.embedding import (
     EmbeddingState,
     EmbeddingStored,
     content_hash,
-    tensor_bytes,
 )
 from sglang_storage.memory import (
     BudgetConfig,
@@ -33,6 +32,7 @@ from sglang_storage.memory import (
     HostMemory,
     HostMemoryBudget,
     MemoryFacts,
+    tensor_bytes,
 )
 from sglang_storage.policy import LRUPolicy
 from sglang_storage.storage import Backend, FileBackend, FileBackendConfig, MemoryBackend
