@@ -37,21 +37,22 @@ def test_python_dash_m_matches_the_console_script() -> None:
     assert module.stdout == script.stdout
 
 
-def test_help_describes_the_tool_and_says_no_command_exists_yet() -> None:
+def test_help_describes_the_tool_and_lists_the_commands() -> None:
     result = _run(str(SCRIPT), "--help")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     assert text.startswith("usage: sglang-storage")
     assert "--version" in text
     assert "typed storage subsystem for SGLang" in text
-    assert "Sub-commands: none yet" in text
+    for command in ("replay", "bench", "fsck", "stats"):
+        assert command in text
 
 
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "no sub-command given" in captured.err
+    assert "no command given" in captured.err
     assert captured.err.startswith("usage: sglang-storage")
 
 

@@ -1,0 +1,20 @@
+"""``sglang-storage bench``: being built (placeholder so the command's parser is complete)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    """Add the ``bench`` parser to ``subparsers``."""
+    parser = subparsers.add_parser("bench", help="bench (not built yet)")
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    print("sglang-storage bench: not built yet", file=sys.stderr)
+    return 2
