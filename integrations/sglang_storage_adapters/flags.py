@@ -583,7 +583,8 @@ def extra_config(flags: StorageFlags) -> dict[str, object]:
 
     SGLang's ``dynamic`` backend reads ``backend_name``, ``module_path``, ``class_name``
     and ``interface_v1``, and pops the ``prefetch_*`` keys; the adapter reads
-    ``storage_backend`` and ``storage_options``.
+    ``storage_backend`` and ``storage_options``, and every adapter reads
+    ``storage_managers`` (through :func:`~.runtime.runtime_settings`).
     """
     config: dict[str, object] = {
         "backend_name": DYNAMIC_BACKEND_NAME,
@@ -592,6 +593,7 @@ def extra_config(flags: StorageFlags) -> dict[str, object]:
         "interface_v1": 1,
         "storage_backend": flags.backend,
         "storage_options": dict(flags.backend_options),
+        "storage_managers": list(flags.managers),
     }
     prefetch = {
         "prefetch_threshold": flags.prefetch_threshold,

@@ -190,6 +190,7 @@ def test_translation_is_sglang_s_dynamic_backend_with_our_adapter(tmp_path: Path
         "interface_v1": 1,
         "storage_backend": "file",
         "storage_options": {"root": str(tmp_path), "capacity_bytes": "500GiB"},
+        "storage_managers": ["kv"],
         "prefetch_threshold": 128,
         "prefetch_timeout_base": 2.0,
         "prefetch_timeout_per_ki_token": 0.5,
@@ -404,6 +405,7 @@ def test_server_args_from_storage_flags(tmp_path: Path) -> None:
         "interface_v1": 1,
         "storage_backend": "file",
         "storage_options": {"root": str(tmp_path), "capacity_bytes": "10GiB"},
+        "storage_managers": ["kv"],
     }
 
 
