@@ -570,10 +570,18 @@ class KVCacheManager:
         hit = None if go_on is None else self._agree("prefetch_hit", valid)
         delivered = 0 if hit is None else hit
         for i, (key, slots) in enumerate(zip(op.keys[:delivered], op.slots, strict=False)):
-            if key in self._pages:  # written meanwhile: keep that copy
-                self._free_rows([slots])
-            else:
+            page = self._pages.get(key)
+            if page is None:
                 self._pages[key] = _Page(slots=slots, ready=True, backed_up=True)
+            elif not page.release:  # written meanwhile: keep that copy
+                self._free_rows([slots])
+            elif page.ready:  # on its way out but intact: wanted again, so it stays
+                page.release = False
+                self._releasing.pop(key, None)
+                self._free_rows([slots])
+            else:  # a failed write being dropped; its slots are not ours to reuse yet
+                delivered = i
+                break
             op.slots[i] = ()
         self._counts.update(
             prefetched_pages=delivered, prefetch_truncated_pages=max(0, landed - valid)

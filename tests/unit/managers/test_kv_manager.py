@@ -426,6 +426,40 @@ def test_backup_in_flight_holds_the_host_page_until_acknowledged(
     assert rig.manager.storage_hit_pages(rig.keys) == PAGES
 
 
+def test_a_prefetch_landing_on_a_host_copy_being_released_keeps_that_copy(
+    make_rig: Callable[..., Rig],
+) -> None:
+    # The replay demo found this: a prefetch of pages whose host copies were released
+    # meanwhile (backup acks not yet drained) reported them delivered, and load() then
+    # refused them. Now the released copy is wanted again and stays.
+    rig = make_rig()
+    m = rig.manager
+    store_all(rig)
+    rig.store.gate.clear()
+    assert m.device_hit(rig.keys, tokens(range(PAGES)), side=rig.side) is not None
+    wait_events(rig, HostWriteDone, count=2)  # the backups (PRESENT) are now held
+    assert m.prefetch("r", rig.keys)
+    m.evict_host(rig.keys)
+    assert m.host_hit_pages(rig.keys) == 0
+    rig.store.gate.set()
+    done: PrefetchDone | None = None
+    for _ in range(int(WAIT_S / 0.005)):  # no poll(): the backup acks stay undrained
+        done = m.check_prefetch("r")
+        if done is not None:
+            break
+        threading.Event().wait(0.005)
+    assert done is not None
+    assert done.keys == tuple(rig.keys)
+    assert m.host_hit_pages(rig.keys) == PAGES
+    target = list(range(20, 20 + PAGES))
+    load = m.load(rig.keys, tokens(target))
+    assert load.handle.wait().ok
+    assert same_bits(rig.device, range(PAGES), target)
+    for _ in range(5):
+        assert not any(isinstance(e, HostReleased) for e in m.poll())
+    assert rig.used() == (PAGES, PAGES)  # one copy each; the prefetched slots went back
+
+
 def test_failed_device_copies_give_pages_back_and_store_nothing(
     make_rig: Callable[..., Rig],
 ) -> None:
