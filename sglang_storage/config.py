@@ -249,6 +249,24 @@ def build_config(cls: type[T], data: Mapping[str, object], *, owner: str | None 
     """
     name = owner or cls.__name__
     fields = {field.alias: field for field in attrs.fields(cls) if field.init}
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            owner=name,
+            field="options",
+            value=type(data).__name__,
+            reason="must be a mapping of option names to values",
+            allowed=", ".join(sorted(fields)) or "no options",
+        )
+    # JSON gives str keys; a mapping built in code may not.
+    odd = [key for key in typing.cast(Mapping[object, object], data) if not isinstance(key, str)]
+    if odd:
+        raise ConfigError(
+            owner=name,
+            field=repr(odd[0]),
+            value=odd[0],
+            reason=f"an option name must be a str, not {type(odd[0]).__name__}",
+            allowed=", ".join(sorted(fields)) or "no options",
+        )
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:

@@ -287,13 +287,37 @@ def as_byte_view(buffer: object, *, writable: bool = False, owner: str = "buffer
     return view
 
 
+_NOT_BUFFERS: Final = object()
+"""What :func:`_buffer_tuple` leaves for the request to reject (it has no owner name)."""
+
+
 def _buffer_tuple(value: Iterable[object]) -> tuple[memoryview, ...]:
-    """Any iterable of buffers as a tuple; each is checked and viewed as bytes afterwards."""
-    return tuple(value)  # type: ignore[arg-type]
+    """Any iterable of buffers as a tuple; each is checked and viewed as bytes afterwards.
+
+    A single buffer (iterating it would give ints) or a non-iterable is left for
+    :func:`_check_buffers` to reject with the request's name.
+    """
+    if isinstance(value, (tuple, list)):
+        return tuple(value)
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return (_NOT_BUFFERS, value)  # type: ignore[return-value]
+    try:
+        return tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        return (_NOT_BUFFERS, value)  # type: ignore[return-value]
 
 
 def _check_buffers(instance: Any, *, writable: bool) -> None:
     owner = type(instance).__name__
+    if instance.buffers and instance.buffers[0] is _NOT_BUFFERS:
+        given = instance.buffers[1]
+        raise ConfigError(
+            owner=owner,
+            field="buffers",
+            value=type(given).__name__,
+            reason="must be a sequence of buffers, not a single buffer or a non-sequence",
+            allowed="a list or tuple of bytes-like objects, e.g. [bytearray(n)]",
+        )
     views = tuple(as_byte_view(b, writable=writable, owner=owner) for b in instance.buffers)
     object.__setattr__(instance, "buffers", views)
     total = sum(v.nbytes for v in views)

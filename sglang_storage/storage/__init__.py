@@ -17,13 +17,40 @@ translated into :mod:`sglang_storage.errors` here. Imports only the layers below
   :class:`MooncakeBackend` (:mod:`.mooncake`, a Mooncake Store cluster; its client is
   imported only when one is opened) and :class:`Hf3fsBackend` (:mod:`.hf3fs`, fixed-size
   slots in large preallocated files on a 3FS mount, through the usrbio client or POSIX).
+- :class:`FaultInjectingBackend` (:mod:`.faults`) - any backend with seeded injected
+  faults (errors, latency, timeouts, partial batches, vanished objects, torn writes, bit
+  flips); registered as ``faulty``.
+- :mod:`.fsck` - checking a backend that declares ``Capabilities.scannable``
+  (:class:`Scannable`): per-object :class:`ObjectReport` s by :class:`ObjectState`,
+  :class:`RepairResult` s, and a :class:`ScanSummary` by state, data kind and namespace.
 - :func:`create_backend` and friends (:mod:`.registry`) - backends by name, plug-ins
   through the ``sglang_storage.backends`` entry point group.
 """
 
-from sglang_storage.storage.backend import Backend, BackendStats, Capabilities, MemoryRegistrar
+from sglang_storage.storage.backend import (
+    Backend,
+    BackendStats,
+    Capabilities,
+    MemoryRegistrar,
+    Scannable,
+)
 from sglang_storage.storage.dram import MemoryBackend, MemoryBackendConfig
+from sglang_storage.storage.faults import (
+    FaultInjectingBackend,
+    FaultKind,
+    FaultSchedule,
+    FaultStats,
+    FaultyBackendConfig,
+)
 from sglang_storage.storage.file import Durability, FileBackend, FileBackendConfig
+from sglang_storage.storage.fsck import (
+    ObjectReport,
+    ObjectState,
+    RepairAction,
+    RepairResult,
+    ScanSummary,
+    summarize,
+)
 from sglang_storage.storage.hf3fs import Hf3fsBackend, Hf3fsBackendConfig
 from sglang_storage.storage.mooncake import (
     MooncakeBackend,
@@ -49,6 +76,11 @@ __all__ = [
     "BackendStats",
     "Capabilities",
     "Durability",
+    "FaultInjectingBackend",
+    "FaultKind",
+    "FaultSchedule",
+    "FaultStats",
+    "FaultyBackendConfig",
     "FileBackend",
     "FileBackendConfig",
     "Hf3fsBackend",
@@ -60,8 +92,15 @@ __all__ = [
     "MooncakeBackendConfig",
     "MooncakeProtocol",
     "MooncakeTransfer",
+    "ObjectReport",
+    "ObjectState",
+    "RepairAction",
+    "RepairResult",
+    "ScanSummary",
+    "Scannable",
     "backend_entry",
     "backend_names",
     "create_backend",
     "register_backend",
+    "summarize",
 ]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 import attrs
 
@@ -27,6 +27,7 @@ from sglang_storage.core import (
     PutOutcome,
     PutResult,
 )
+from sglang_storage.storage.fsck import ObjectReport, RepairResult
 from sglang_storage.transfer.store import PageStore
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "BackendStats",
     "Capabilities",
     "MemoryRegistrar",
+    "Scannable",
     "StatsRecorder",
     "count_prefix",
     "scrub",
@@ -59,6 +61,9 @@ class Capabilities:
     """Moves are faster (or, for some transports, only possible) from host memory
     registered once through :class:`MemoryRegistrar`; owners of long-lived buffers
     (host pools) should register them."""
+    scannable: bool = False
+    """The backend can enumerate what its medium holds and check it object by object:
+    it implements :class:`Scannable` (what ``sglang-storage fsck`` and ``stats`` use)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -138,6 +143,40 @@ class MemoryRegistrar(Protocol):
 
     def unregister_memory(self, buffer: memoryview) -> None:
         """Undo :meth:`register_memory` for the same buffer."""
+        ...
+
+
+@runtime_checkable
+class Scannable(Protocol):
+    """A backend that can list and check everything on its medium.
+
+    Declared by :attr:`Capabilities.scannable`. Report types are in :mod:`.fsck`.
+
+    - ``scan()`` yields one report per object, temporary file or foreign file found, and
+      changes nothing.
+    - ``repair(reports)`` re-checks each reported problem and puts it right where it is
+      still there (quarantines damaged objects, removes orphaned temporary files and,
+      when a model was given to the scan, objects of other models); foreign files are
+      never touched.
+    """
+
+    def scan(self, *, payloads: bool = True, model: str | None = None) -> Iterator[ObjectReport]:
+        """Report everything on the medium.
+
+        Args:
+            payloads: Read every payload and verify its checksum (``False``: headers and
+                sizes only, which is much faster).
+            model: The model fingerprint the store should hold; whole objects of other
+                models are reported ``wrong_model``. ``None`` accepts every model.
+        """
+        ...
+
+    def repair(self, reports: Sequence[ObjectReport]) -> list[RepairResult]:
+        """Put right the problems among ``reports``; one result per report, in order.
+
+        Raises:
+            StateError: the backend was opened read-only.
+        """
         ...
 
 

@@ -8,7 +8,7 @@ corruption detection.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
@@ -37,6 +37,13 @@ from sglang_storage.storage.format import (
     checksum,
     decode_header,
     encode_header,
+)
+from sglang_storage.storage.fsck import (
+    ObjectReport,
+    RepairAction,
+    RepairResult,
+    inspect_header,
+    inspect_object,
 )
 
 __all__ = ["MemoryBackend", "MemoryBackendConfig"]
@@ -80,13 +87,14 @@ class MemoryBackend:
 
     @property
     def capabilities(self) -> Capabilities:
-        """Zero copy; private to this process; gone when the process ends."""
+        """Zero copy; private to this process; gone when the process ends; scannable."""
         return Capabilities(
             zero_copy=True,
             shared_across_processes=False,
             shared_across_hosts=False,
             durable=False,
             bounded=self._index.bounded,
+            scannable=True,
         )
 
     def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
@@ -151,12 +159,17 @@ class MemoryBackend:
         return results
 
     def _put(self, request: PutRequest) -> PutResult:
+        size = HEADER_SIZE + request.nbytes
         with self._lock:
-            present = request.key in self._objects
-        if present:
+            held = self._objects.get(request.key)
+            if held is not None and len(held) != size:
+                # Torn, or of another shape: never acknowledged as stored; replaced.
+                del self._objects[request.key]
+                self._index.remove(request.key)
+                held = None
+        if held is not None:
             self._index.access(request.key)
             return PutResult.present_of(request.key)
-        size = HEADER_SIZE + request.nbytes
         try:
             victims = self._index.reserve(size)
         except StorageError as error:
@@ -203,6 +216,20 @@ class MemoryBackend:
         for key in doomed:
             self._index.remove(key)
 
+    def rewrite_raw(self, key: ObjectKey, edit: Callable[[bytes], bytes]) -> bool:
+        """Replace ``key``'s stored bytes (header and payload) with ``edit(stored bytes)``.
+
+        Unverified, as a damaged medium would: for fault injection (``storage.faults``). The
+        next read verifies the result as usual. Returns whether ``key`` was stored.
+        """
+        self._check_open()
+        with self._lock:
+            stored = self._objects.get(key)
+            if stored is None:
+                return False
+            self._objects[key] = bytearray(edit(bytes(stored)))
+        return True
+
     def stats(self) -> BackendStats:
         """Contents and counters."""
         self._check_open()
@@ -210,6 +237,51 @@ class MemoryBackend:
         return self._stats.snapshot(
             objects=objects, nbytes=nbytes, capacity_bytes=self._index.capacity_bytes
         )
+
+    def scan(self, *, payloads: bool = True, model: str | None = None) -> Iterator[ObjectReport]:
+        """Report every object held (checked like a read checks it); changes nothing."""
+        self._check_open()
+        with self._lock:
+            held = list(self._objects.items())
+        for key, stored in held:
+            view = memoryview(stored)
+            check = inspect_header(view[:HEADER_SIZE], where=str(key), expected=key, model=model)
+            digest: int | None = None
+            if payloads and check.header is not None and len(stored) == check.header.object_size:
+                digest = checksum([view[HEADER_SIZE:]])
+            check = inspect_object(check, stored_bytes=len(stored), payload_checksum=digest)
+            yield ObjectReport(
+                state=check.state,
+                location=str(key),
+                nbytes=len(stored),
+                key=key,
+                reason=check.reason,
+                identity=id(stored),
+            )
+
+    def repair(self, reports: Sequence[ObjectReport]) -> list[RepairResult]:
+        """Drop the reported damaged, other-version and other-model objects."""
+        self._check_open()
+        results: list[RepairResult] = []
+        for report in reports:
+            key = report.key
+            if not report.state.problem or key is None:
+                results.append(RepairResult(report=report, action=RepairAction.KEPT))
+                continue
+            with self._lock:
+                stored = self._objects.get(key)
+                current = stored is not None and id(stored) == report.identity
+                if current:
+                    del self._objects[key]
+            if not current:
+                results.append(
+                    RepairResult(report=report, action=RepairAction.GONE, reason="not there now")
+                )
+                continue
+            self._index.remove(key)
+            self._stats.record_deleted(1)
+            results.append(RepairResult(report=report, action=RepairAction.REMOVED))
+        return results
 
     def close(self) -> None:
         """Drop every object; later calls raise ``BackendUnavailableError``."""

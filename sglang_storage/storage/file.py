@@ -17,6 +17,14 @@ threads (the system calls and the checksum release the GIL).
 Several processes (TP ranks) may share one root. Each keeps its own index of what is
 stored (rebuilt by a directory scan when it opens), learns of other processes' objects
 when it meets them, and enforces ``capacity_bytes`` over what it knows.
+
+Opening removes the temporary files of writers that no longer run (a ``kill -9``
+mid-write leaves one). Opened ``read_only``, the backend changes nothing under ``root``:
+no directories, marker or cleanup at open, no quarantine on a failed read, and writes,
+deletes and clears are refused - how ``sglang-storage fsck`` inspects a store. It is
+:class:`~sglang_storage.storage.backend.Scannable`: ``scan()`` reports every object (its
+header, size and payload checksum), orphaned temporary file and foreign file, and
+``repair()`` quarantines damaged objects and removes orphans.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -52,6 +62,7 @@ from sglang_storage.errors import (
     BackendUnavailableError,
     ConfigError,
     CorruptObjectError,
+    StateError,
     StorageError,
 )
 from sglang_storage.storage.backend import (
@@ -70,6 +81,21 @@ from sglang_storage.storage.format import (
     decode_header,
     encode_header,
     header_template,
+)
+from sglang_storage.storage.fsck import (
+    HeaderCheck,
+    ObjectReport,
+    ObjectState,
+    PayloadHasher,
+    RepairAction,
+    RepairResult,
+    entry_size,
+    foreign,
+    inspect_header,
+    inspect_object,
+    remove_orphan,
+    scan_temp_dir,
+    sorted_entries,
 )
 from sglang_storage.storage.posix import (
     IOV_MAX,
@@ -117,6 +143,10 @@ class FileBackendConfig:
     """When a write counts as done; see :class:`Durability`."""
     io_threads: int = attrs.field(default=2, validator=int_in_range(1, 64))
     """Threads a batch is spread over."""
+    read_only: bool = attrs.field(default=False, validator=instance_of(bool))
+    """Inspect an existing store without changing anything under ``root`` (no cleanup
+    at open, no quarantine on a failed read); writes, deletes, clears and repairs raise
+    :class:`~sglang_storage.errors.StateError`."""
 
 
 class FileBackend:
@@ -128,7 +158,7 @@ class FileBackend:
 
     Raises:
         BackendUnavailableError: ``root`` cannot be created or used, or holds a store of
-            another format version.
+            another format version; read-only: ``root`` is not a directory.
     """
 
     name = "file"
@@ -162,6 +192,9 @@ class FileBackend:
     # ------------------------------------------------------------------ opening
 
     def _prepare(self) -> None:
+        if self._config.read_only:
+            self._check_store()
+            return
         try:
             for directory in (self._objects_dir, self._tmp_dir, self._quarantine_dir):
                 directory.mkdir(parents=True, exist_ok=True)
@@ -180,6 +213,29 @@ class FileBackend:
                 tmp.write_text(json.dumps({"format_version": FORMAT_VERSION}) + "\n")
                 os.replace(tmp, marker)
             self._remove_orphans()
+        except (OSError, ValueError) as error:
+            raise BackendUnavailableError(
+                backend=self.name, reason=f"cannot use {self._root}: {error}"
+            ) from error
+
+    def _check_store(self) -> None:
+        """Read-only open: the root must exist and hold no store of another version."""
+        marker = self._root / MARKER
+        try:
+            if not self._root.is_dir():
+                raise BackendUnavailableError(
+                    backend=self.name,
+                    reason=f"{self._root} is not a directory (a read-only open creates nothing)",
+                )
+            if marker.exists():
+                content = json.loads(marker.read_text())
+                version = content.get("format_version") if isinstance(content, dict) else None
+                if version != FORMAT_VERSION:
+                    raise BackendUnavailableError(
+                        backend=self.name,
+                        reason=f"{self._root} holds a store of format version {version}; "
+                        f"this build reads version {FORMAT_VERSION}",
+                    )
         except (OSError, ValueError) as error:
             raise BackendUnavailableError(
                 backend=self.name, reason=f"cannot use {self._root}: {error}"
@@ -209,15 +265,16 @@ class FileBackend:
         found.sort(key=lambda item: item[0])
         for _, key, size in found:
             self._index.add(key, size)
-        self._delete_files(self._index.over_capacity())
+        if not self._config.read_only:
+            self._delete_files(self._index.over_capacity())
 
     def _scan(self) -> Iterator[tuple[ObjectKey, os.DirEntry[str]]]:
         for model in subdirs(self._objects_dir):
             for kind in subdirs(Path(model.path)):
                 for shard in subdirs(Path(kind.path)):
                     namespace = namespace_of(model.name, kind.name, shard.name)
-                    if namespace is None:
-                        continue
+                    if namespace is None or namespace.shard.label != shard.name:
+                        continue  # "tp0of1" parses, but path_of never looks there
                     for fan in subdirs(Path(shard.path)):
                         for entry in os.scandir(fan.path):
                             key = _key_of(namespace, entry.name)
@@ -238,14 +295,20 @@ class FileBackend:
         return self._root
 
     @property
+    def read_only(self) -> bool:
+        """Whether it was opened to inspect only."""
+        return self._config.read_only
+
+    @property
     def capabilities(self) -> Capabilities:
-        """Zero copy, shareable by processes on this host, durable across restarts."""
+        """Zero copy, shareable by processes on this host, durable, scannable."""
         return Capabilities(
             zero_copy=True,
             shared_across_processes=True,
             shared_across_hosts=False,
             durable=True,
             bounded=self._index.bounded,
+            scannable=True,
         )
 
     def path_of(self, key: ObjectKey) -> Path:
@@ -283,14 +346,14 @@ class FileBackend:
 
     def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
         """Write each request's buffers as a whole file; existing keys are kept."""
-        self._check_open()
+        self._check_writable("put_from")
         results = self._threads.spread(self._put, requests)
         self._stats.record_puts(results)
         return results
 
     def delete(self, keys: Sequence[ObjectKey]) -> None:
         """Remove the stored ones of ``keys``."""
-        self._check_open()
+        self._check_writable("delete")
         removed = 0
         for key in keys:
             self._index.remove(key)
@@ -305,7 +368,7 @@ class FileBackend:
 
     def clear(self, namespace: Namespace) -> None:
         """Remove every object of ``namespace`` (other namespaces are untouched)."""
-        self._check_open()
+        self._check_writable("clear")
         directory = self._objects_dir / namespace.path
         doomed = self._tmp_dir / f"{os.getpid()}.{uuid.uuid4().hex}.clear"
         try:
@@ -358,7 +421,7 @@ class FileBackend:
         if read.got < 0:
             self._index.remove(key)
             return GetResult.miss_of(key)
-        reason = self._verify(read)
+        reason = "is not a regular file" if read.not_regular else self._verify(read)
         if reason is not None:
             scrub(request.buffers)
             self._quarantine(read.inode, key, read.path)
@@ -395,28 +458,45 @@ class FileBackend:
             or "header differs from the expected one"
         )
 
-    def _quarantine(self, inode: int, key: ObjectKey, path: str) -> None:
-        """Move the corrupt file aside, unless another process has replaced it meanwhile."""
+    def _quarantine(self, inode: int, key: ObjectKey, path: str) -> bool:
+        """Move the corrupt file aside, unless another process has replaced it meanwhile.
+
+        Returns whether it was moved (read-only: never).
+        """
         self._index.remove(key)
+        if self._config.read_only:
+            return False
         try:
             if os.stat(path).st_ino != inode:
-                return
+                return False
             target = self._quarantine_dir / f"{time.time_ns()}.{os.getpid()}.{key.name}"
             os.rename(path, target)
         except OSError:
-            return
+            return False
         with self._lock:
             self._quarantined += 1
+        return True
 
     # ------------------------------------------------------------------ writes
 
     def _put(self, request: PutRequest) -> PutResult:
         key = request.key
         path = self._path(key)
-        if os.path.exists(path):
+        size = HEADER_SIZE + request.nbytes
+        try:
+            held: int | None = os.stat(path).st_size
+        except FileNotFoundError:
+            held = None
+        except OSError as error:
+            return PutResult.error_of(key, io_error(self.name, f"put of {key}", error))
+        if held == size:
             self._index.touch(key, size=None)
             return PutResult.present_of(key)
-        size = HEADER_SIZE + request.nbytes
+        if held is not None:
+            # Torn, or of another shape: never acknowledged as stored; replaced.
+            self._index.remove(key)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         try:
             victims = self._index.reserve(size)
         except StorageError as error:
@@ -467,6 +547,187 @@ class FileBackend:
         if self._closed:
             raise BackendUnavailableError(backend=self.name, reason="the backend was closed")
 
+    def _check_writable(self, operation: str) -> None:
+        self._check_open()
+        if self._config.read_only:
+            raise StateError(
+                subject=f"file backend at {self._root}: {operation}",
+                reason="the backend was opened read-only (read_only=True)",
+            )
+
+    # ------------------------------------------------------------------ fsck
+
+    def scan(self, *, payloads: bool = True, model: str | None = None) -> Iterator[ObjectReport]:
+        """Report every object, temporary file and foreign file under ``root``.
+
+        Changes nothing. Objects are checked like a read checks them (header, size and,
+        with ``payloads``, the payload checksum); the temporary files of writers that no
+        longer run are ``orphaned_temp``; what this backend never writes (other files,
+        files outside their fan directory or with names no key has) is ``foreign``.
+        """
+        self._check_open()
+        for entry in sorted_entries(self._root):
+            if entry.name == MARKER and entry.is_file(follow_symlinks=False):
+                continue
+            if entry.name == "objects" and entry.is_dir(follow_symlinks=False):
+                yield from self._scan_objects(payloads=payloads, model=model)
+            elif entry.name == "tmp" and entry.is_dir(follow_symlinks=False):
+                yield from scan_temp_dir(self._tmp_dir)
+            elif entry.name == "quarantine" and entry.is_dir(follow_symlinks=False):
+                for item in sorted_entries(self._quarantine_dir):
+                    yield ObjectReport(
+                        state=ObjectState.QUARANTINED,
+                        location=item.path,
+                        nbytes=entry_size(item),
+                        reason="moved aside after a failed check",
+                    )
+            else:
+                yield foreign(entry, "not part of a file store")
+
+    def _scan_objects(self, *, payloads: bool, model: str | None) -> Iterator[ObjectReport]:
+        for model_dir in sorted_entries(self._objects_dir):
+            if not model_dir.is_dir(follow_symlinks=False):
+                yield foreign(model_dir, "a file where model directories belong")
+                continue
+            for kind_dir in sorted_entries(Path(model_dir.path)):
+                if not kind_dir.is_dir(follow_symlinks=False):
+                    yield foreign(kind_dir, "a file where data kind directories belong")
+                    continue
+                for shard_dir in sorted_entries(Path(kind_dir.path)):
+                    namespace = (
+                        namespace_of(model_dir.name, kind_dir.name, shard_dir.name)
+                        if shard_dir.is_dir(follow_symlinks=False)
+                        else None
+                    )
+                    if namespace is None or namespace.shard.label != shard_dir.name:
+                        yield foreign(shard_dir, "does not name a namespace (model/kind/shard)")
+                        continue
+                    yield from self._scan_namespace(
+                        namespace, Path(shard_dir.path), payloads=payloads, model=model
+                    )
+
+    def _scan_namespace(
+        self, namespace: Namespace, directory: Path, *, payloads: bool, model: str | None
+    ) -> Iterator[ObjectReport]:
+        for fan in sorted_entries(directory):
+            if not fan.is_dir(follow_symlinks=False) or not _FAN_NAME.fullmatch(fan.name):
+                yield foreign(fan, "not a fan directory (two hex digits)")
+                continue
+            for entry in sorted_entries(Path(fan.path)):
+                key = _key_of(namespace, entry.name)
+                if not entry.is_file(follow_symlinks=False):
+                    yield foreign(entry, "not a regular file")
+                elif key is None:
+                    yield foreign(entry, "its name is no object name")
+                elif fan.name != _fan(key.name):
+                    yield foreign(entry, f"not in its fan directory ({_fan(key.name)})")
+                else:
+                    report = _inspect_file(entry.path, key, payloads=payloads, model=model)
+                    if report is not None:
+                        yield report
+
+    def repair(self, reports: Sequence[ObjectReport]) -> list[RepairResult]:
+        """Quarantine corrupt and other-version objects, remove orphans and other models.
+
+        Each problem is acted on only if it is still the file the scan saw (same inode);
+        foreign files and healthy objects are kept.
+
+        Raises:
+            StateError: the backend was opened read-only.
+        """
+        self._check_writable("repair")
+        return [self._repair(report) for report in reports]
+
+    def _repair(self, report: ObjectReport) -> RepairResult:
+        state, path = report.state, report.location
+        if not state.problem:
+            return RepairResult(report=report, action=RepairAction.KEPT, reason="not a problem")
+        if state is ObjectState.ORPHANED_TEMP:
+            return remove_orphan(report, self._tmp_dir)
+        key = report.key
+        if key is None or path != self._path(key):
+            return RepairResult(
+                report=report,
+                action=RepairAction.KEPT,
+                reason=f"not an object location of this store ({self._objects_dir})",
+            )
+        try:
+            inode = os.stat(path).st_ino
+        except FileNotFoundError:
+            self._index.remove(key)
+            return RepairResult(report=report, action=RepairAction.GONE, reason="no longer there")
+        except OSError as error:
+            return RepairResult(report=report, action=RepairAction.FAILED, reason=str(error))
+        if inode != report.identity:
+            return RepairResult(
+                report=report, action=RepairAction.GONE, reason="replaced since the scan"
+            )
+        if state is ObjectState.WRONG_MODEL:
+            self._index.remove(key)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return RepairResult(report=report, action=RepairAction.GONE)
+            except OSError as error:
+                return RepairResult(report=report, action=RepairAction.FAILED, reason=str(error))
+            self._stats.record_deleted(1)
+            return RepairResult(report=report, action=RepairAction.REMOVED)
+        if self._quarantine(inode, key, path):
+            return RepairResult(report=report, action=RepairAction.QUARANTINED)
+        if not os.path.exists(path):
+            return RepairResult(report=report, action=RepairAction.GONE)
+        return RepairResult(
+            report=report, action=RepairAction.FAILED, reason="could not move it to quarantine"
+        )
+
+
+_FAN_NAME: Final = re.compile(r"[0-9a-f]{2}")
+_CHUNK: Final = 1 << 20
+
+
+def _inspect_file(
+    path: str, key: ObjectKey, *, payloads: bool, model: str | None
+) -> ObjectReport | None:
+    """Classify the object file at ``path``, which should hold ``key`` (None: gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        return ObjectReport(
+            state=ObjectState.CORRUPT, location=path, nbytes=0, key=key, reason=str(error)
+        )
+    size = inode = 0
+    try:
+        status = os.fstat(fd)
+        size, inode = status.st_size, status.st_ino
+        raw = os.pread(fd, HEADER_SIZE, 0)
+        check = inspect_header(raw, where=path, expected=key, model=model)
+        digest: int | None = None
+        if payloads and check.header is not None and size == check.header.object_size:
+            digest = _hash_payload(fd, check.header.payload_length)
+        check = inspect_object(check, stored_bytes=size, payload_checksum=digest)
+    except OSError as error:
+        check = HeaderCheck(state=ObjectState.CORRUPT, header=None, reason=f"unreadable: {error}")
+    finally:
+        os.close(fd)
+    return ObjectReport(
+        state=check.state, location=path, nbytes=size, key=key, reason=check.reason, identity=inode
+    )
+
+
+def _hash_payload(fd: int, length: int) -> int:
+    hasher = PayloadHasher()
+    offset = HEADER_SIZE
+    end = HEADER_SIZE + length
+    while offset < end:
+        piece = os.pread(fd, min(_CHUNK, end - offset), offset)
+        if not piece:
+            break
+        hasher.update(piece)
+        offset += len(piece)
+    return hasher.value
+
 
 def _fan(name: str) -> str:
     """The shard directory of an object name: 256 of them per namespace."""
@@ -476,7 +737,17 @@ def _fan(name: str) -> str:
 class _Read:
     """One object's read in flight: filled by an I/O thread, judged by the caller."""
 
-    __slots__ = ("digest", "error", "got", "header", "inode", "path", "request", "views")
+    __slots__ = (
+        "digest",
+        "error",
+        "got",
+        "header",
+        "inode",
+        "not_regular",
+        "path",
+        "request",
+        "views",
+    )
 
     def __init__(self, path: str, request: GetRequest) -> None:
         self.path = path
@@ -490,19 +761,30 @@ class _Read:
         """The payload checksum, when exactly header + payload was read."""
         self.inode = 0
         self.error: OSError | None = None
+        self.not_regular = False
+        """The path holds something other than a regular file (a FIFO, a device)."""
 
 
 def _read_raw(read: _Read) -> None:
-    """Open, read and close ``read.path`` and hash the payload; the GIL is mostly free."""
+    """Open, read and close ``read.path`` and hash the payload; the GIL is mostly free.
+
+    The open never blocks (a FIFO planted at an object path must not hang a reader); a
+    path that is not a regular file is read as nothing, so it fails verification.
+    """
     try:
-        fd = os.open(read.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(read.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return
     except OSError as error:
         read.error = error
         return
     try:
-        read.inode = os.fstat(fd).st_ino
+        status = os.fstat(fd)
+        read.inode = status.st_ino
+        if not stat.S_ISREG(status.st_mode):
+            read.got = 0
+            read.not_regular = True
+            return
         read.got = _readv_full(fd, read.views, 0)
         if read.got == HEADER_SIZE + read.request.nbytes:
             read.digest = checksum(read.request.buffers)

@@ -54,6 +54,13 @@ stay valid. The usrbio client is not zero copy: usrbio moves only memory registe
 
 Several processes on one host (TP ranks) share a root; processes on different hosts
 should use different roots, since the locks are only coherent on one host.
+
+**Checking.** The backend is :class:`~sglang_storage.storage.backend.Scannable`: ``scan()``
+reads every slot that holds data and reports its object (header, placement and payload
+checksum), the orphaned temporary files of dead processes and anything under ``root`` the
+backend did not write; ``repair()`` quarantines damaged slots (copy aside, header zeroed)
+and removes orphans. Opened ``read_only`` it changes nothing under ``root`` (no cleanup
+at open, no quarantine on a failed read; writes, deletes and clears are refused).
 """
 
 from __future__ import annotations
@@ -103,6 +110,7 @@ from sglang_storage.errors import (
     CapacityError,
     ConfigError,
     CorruptObjectError,
+    StateError,
     StorageError,
 )
 from sglang_storage.storage.backend import (
@@ -122,6 +130,20 @@ from sglang_storage.storage.format import (
     decode_header,
     encode_header,
     header_template,
+)
+from sglang_storage.storage.fsck import (
+    ObjectReport,
+    ObjectState,
+    PayloadHasher,
+    RepairAction,
+    RepairResult,
+    entry_size,
+    foreign,
+    inspect_header,
+    inspect_object,
+    remove_orphan,
+    scan_temp_dir,
+    sorted_entries,
 )
 from sglang_storage.storage.posix import (
     IOV_MAX,
@@ -212,6 +234,10 @@ class Hf3fsBackendConfig:
     )
     """The shared-memory staging buffer of the usrbio client (larger transfers are cut
     into pieces of this size)."""
+    read_only: bool = attrs.field(default=False, validator=instance_of(bool))
+    """Inspect an existing store without changing anything under ``root`` (no cleanup
+    at open, no quarantine on a failed read); writes, deletes, clears and repairs raise
+    :class:`~sglang_storage.errors.StateError`."""
 
 
 @attrs.frozen(kw_only=True)
@@ -609,6 +635,9 @@ class Hf3fsBackend:
             ) from error
 
     def _prepare(self) -> None:
+        if self._config.read_only:
+            self._check_marker()
+            return
         try:
             for directory in (self._classes_dir, self._tmp_dir, self._quarantine_dir):
                 directory.mkdir(exist_ok=True)
@@ -630,6 +659,22 @@ class Hf3fsBackend:
             self._check_locks()
         except (OSError, ValueError) as error:
             raise self._unavailable(f"cannot use {self._root}: {error}") from error
+
+    def _check_marker(self) -> None:
+        """Read-only open: a marker, if present, must be this build's."""
+        marker = self._root / MARKER
+        wanted = {"format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION}
+        try:
+            if not marker.exists():
+                return
+            content = json.loads(marker.read_text())
+        except (OSError, ValueError) as error:
+            raise self._unavailable(f"cannot use {self._root}: {error}") from error
+        found = {k: content.get(k) for k in wanted} if isinstance(content, dict) else None
+        if found != wanted:
+            raise self._unavailable(
+                f"{self._root} holds a store of {found}; this build reads {wanted}"
+            )
 
     def _check_locks(self) -> None:
         fd = os.open(self._root / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -662,7 +707,8 @@ class Hf3fsBackend:
                         continue
                     for cls in self._classes_of(namespace).values():
                         self._scan(cls)
-        self._remove(self._index.over_capacity(), evicted=True)
+        if not self._config.read_only:
+            self._remove(self._index.over_capacity(), evicted=True)
 
     def _scan(self, cls: _SlotClass) -> None:
         header = bytearray(HEADER_SIZE)
@@ -810,13 +856,14 @@ class Hf3fsBackend:
 
     @property
     def capabilities(self) -> Capabilities:
-        """Shareable by processes on one host, durable; zero copy on the POSIX client."""
+        """Shareable by processes on one host, durable, scannable; zero copy on POSIX."""
         return Capabilities(
             zero_copy=self._io.zero_copy,
             shared_across_processes=True,
             shared_across_hosts=False,
             durable=True,
             bounded=self._index.bounded,
+            scannable=True,
         )
 
     def locate(self, key: ObjectKey) -> SlotLocation | None:
@@ -851,7 +898,7 @@ class Hf3fsBackend:
 
     def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
         """Write each request's buffers into a slot; existing keys are kept."""
-        self._check_open()
+        self._check_writable("put_from")
         listings = self._listings_for([r.key for r in requests])
         results = self._threads.spread(lambda r: self._put(r, listings[r.key.namespace]), requests)
         self._stats.record_puts(results)
@@ -859,13 +906,13 @@ class Hf3fsBackend:
 
     def delete(self, keys: Sequence[ObjectKey]) -> None:
         """Remove the stored ones of ``keys``."""
-        self._check_open()
+        self._check_writable("delete")
         removed = self._remove(keys, evicted=False)
         self._stats.record_deleted(removed)
 
     def clear(self, namespace: Namespace) -> None:
         """Remove every object of ``namespace`` (other namespaces are untouched)."""
-        self._check_open()
+        self._check_writable("clear")
         for cls in self._classes_of(namespace).values():
             with cls.locked_all():
                 for file in range(cls.data_files):
@@ -1054,23 +1101,34 @@ class Hf3fsBackend:
         """Copy the damaged slot aside and free it, unless it was rewritten meanwhile."""
         self._index.remove(key)
         self._forget(key)
-        file, offset = cls.place(slot)
+        if self._config.read_only:
+            return
         try:
-            with cls.locked(cls.set_of_slot(slot)):
-                fd = cls.fd(file, create=False)
-                if fd is None or self._header_at(cls, slot) != raw:
-                    return
-                copy = bytearray(cls.slot_size)
-                got = self._io.read(fd, offset, [memoryview(copy)])
-                target = self._quarantine_dir / f"{time.time_ns()}.{os.getpid()}.{key.name}"
-                with contextlib.suppress(OSError):
-                    target.write_bytes(copy[:got])
-                self._io.write(fd, offset, [memoryview(_ZERO_HEADER)])
+            self._free_slot(cls, slot, raw, copy_as=key.name)
         except OSError as error:
             log.warning("hf3fs backend: could not quarantine %s: %s", key, error)
-            return
-        with self._lock:
-            self._quarantined += 1
+
+    def _free_slot(self, cls: _SlotClass, slot: int, raw: bytes, *, copy_as: str | None) -> bool:
+        """Free ``slot`` if its header is still ``raw``; returns whether it was freed.
+
+        When ``copy_as`` names it, the slot is first copied to ``quarantine/``.
+        """
+        file, offset = cls.place(slot)
+        with cls.locked(cls.set_of_slot(slot)):
+            fd = cls.fd(file, create=False)
+            if fd is None or self._header_at(cls, slot) != raw:
+                return False
+            if copy_as is not None:
+                copy = bytearray(cls.slot_size)
+                got = self._io.read(fd, offset, [memoryview(copy)])
+                target = self._quarantine_dir / f"{time.time_ns()}.{os.getpid()}.{copy_as}"
+                with contextlib.suppress(OSError):
+                    target.write_bytes(copy[:got])
+            self._io.write(fd, offset, [memoryview(_ZERO_HEADER)])
+        if copy_as is not None:
+            with self._lock:
+                self._quarantined += 1
+        return True
 
     # ------------------------------------------------------------------ writes
 
@@ -1209,8 +1267,227 @@ class Hf3fsBackend:
         if self._closed:
             raise self._unavailable("the backend was closed")
 
+    def _check_writable(self, operation: str) -> None:
+        self._check_open()
+        if self._config.read_only:
+            raise StateError(
+                subject=f"hf3fs backend at {self._root}: {operation}",
+                reason="the backend was opened read-only (read_only=True)",
+            )
+
+    # ------------------------------------------------------------------ fsck
+
+    def scan(self, *, payloads: bool = True, model: str | None = None) -> Iterator[ObjectReport]:
+        """Report every object in the slots, orphaned temporary file and foreign file.
+
+        Changes nothing. Free slots (zero headers, holes) are not reported; a slot whose
+        header is damaged, names an object that does not belong in it (another namespace,
+        set or size) or whose payload fails its checksum is ``corrupt``.
+        """
+        self._check_open()
+        for entry in sorted_entries(self._root):
+            name, is_dir = entry.name, entry.is_dir(follow_symlinks=False)
+            if name in (MARKER, _LOCK_FILE) and not is_dir:
+                continue
+            if name == "classes" and is_dir:
+                yield from self._scan_classes(payloads=payloads, model=model)
+            elif name == "tmp" and is_dir:
+                yield from scan_temp_dir(self._tmp_dir)
+            elif name == "quarantine" and is_dir:
+                for item in sorted_entries(self._quarantine_dir):
+                    yield ObjectReport(
+                        state=ObjectState.QUARANTINED,
+                        location=item.path,
+                        nbytes=entry_size(item),
+                        reason="a slot copied aside after a failed check",
+                    )
+            else:
+                yield foreign(entry, "not part of an hf3fs store")
+
+    def _scan_classes(self, *, payloads: bool, model: str | None) -> Iterator[ObjectReport]:
+        for model_dir in sorted_entries(self._classes_dir):
+            if not model_dir.is_dir(follow_symlinks=False):
+                yield foreign(model_dir, "a file where model directories belong")
+                continue
+            for kind_dir in sorted_entries(Path(model_dir.path)):
+                if not kind_dir.is_dir(follow_symlinks=False):
+                    yield foreign(kind_dir, "a file where data kind directories belong")
+                    continue
+                for shard_dir in sorted_entries(Path(kind_dir.path)):
+                    namespace = (
+                        namespace_of(model_dir.name, kind_dir.name, shard_dir.name)
+                        if shard_dir.is_dir(follow_symlinks=False)
+                        else None
+                    )
+                    if namespace is None or namespace.shard.label != shard_dir.name:
+                        yield foreign(shard_dir, "does not name a namespace (model/kind/shard)")
+                        continue
+                    classes = self._classes_of(namespace)
+                    for class_dir in sorted_entries(Path(shard_dir.path)):
+                        size = _slot_size_of(class_dir.name)
+                        cls = classes.get(size) if size is not None else None
+                        if not class_dir.is_dir(follow_symlinks=False) or size is None:
+                            yield foreign(class_dir, "not a slot class directory (s<size>)")
+                        elif cls is None:
+                            yield ObjectReport(
+                                state=ObjectState.CORRUPT,
+                                location=class_dir.path,
+                                nbytes=entry_size(class_dir),
+                                reason=f"slot class without a usable {_CLASS_FILE}",
+                            )
+                        else:
+                            yield from self._scan_class(cls, payloads=payloads, model=model)
+
+    def _scan_class(
+        self, cls: _SlotClass, *, payloads: bool, model: str | None
+    ) -> Iterator[ObjectReport]:
+        data_names = {cls.path(file).name: file for file in range(cls.data_files)}
+        for entry in sorted_entries(cls.directory):
+            if entry.name in (_CLASS_FILE, _LOCK_FILE) and entry.is_file(follow_symlinks=False):
+                continue
+            file = data_names.get(entry.name)
+            if file is None or not entry.is_file(follow_symlinks=False):
+                yield foreign(entry, "not a data file of its slot class")
+                continue
+            fd = cls.fd(file, create=False)
+            if fd is None:
+                continue
+            for index in _data_slots(fd, cls.slots_per_file, cls.slot_size):
+                report = self._inspect_slot(
+                    cls, file * cls.slots_per_file + index, payloads=payloads, model=model
+                )
+                if report is not None:
+                    yield report
+
+    def _inspect_slot(
+        self, cls: _SlotClass, slot: int, *, payloads: bool, model: str | None
+    ) -> ObjectReport | None:
+        """Classify one slot; ``None`` for a free one."""
+        file, offset = cls.place(slot)
+        raw = self._header_at(cls, slot)
+        location = f"{cls.path(file)}@{offset}"
+        if raw is None or raw == _ZERO_HEADER:
+            return None
+        identity = int(xxhash.xxh3_64_intdigest(raw))
+        check = inspect_header(raw, where=location, model=model)
+        header = check.header
+        if header is not None and check.state is not ObjectState.CORRUPT:
+            if header.key.namespace != cls.namespace:
+                reason = f"holds an object of namespace {header.key.namespace.path}"
+            elif header.object_size > cls.slot_size:
+                reason = f"holds a {header.object_size}-byte object in a {cls.slot_size}-byte slot"
+            elif cls.set_of(header.key.name) != cls.set_of_slot(slot):
+                reason = "holds an object of another set (readers never look for it here)"
+            else:
+                reason = ""
+            if reason:
+                check = attrs.evolve(check, state=ObjectState.CORRUPT, reason=reason)
+            else:
+                fd = cls.fd(file, create=False)
+                assert fd is not None
+                end = min(header.object_size, max(0, os.fstat(fd).st_size - offset))
+                digest = None
+                if payloads and end == header.object_size:
+                    digest = self._hash_slot(fd, offset, header.payload_length)
+                check = inspect_object(check, stored_bytes=end, payload_checksum=digest)
+        size = header.object_size if check.state is ObjectState.OK and header else cls.slot_size
+        return ObjectReport(
+            state=check.state,
+            location=location,
+            nbytes=size,
+            key=None if header is None else header.key,
+            reason=check.reason,
+            identity=identity,
+        )
+
+    def _hash_slot(self, fd: int, offset: int, length: int) -> int:
+        hasher = PayloadHasher()
+        done = 0
+        piece = bytearray(min(length, _SCAN_CHUNK))
+        while done < length:
+            view = memoryview(piece)[: min(len(piece), length - done)]
+            got = self._io.read(fd, offset + HEADER_SIZE + done, [view])
+            if got <= 0:
+                break
+            hasher.update(view[:got])
+            done += got
+        return hasher.value
+
+    def repair(self, reports: Sequence[ObjectReport]) -> list[RepairResult]:
+        """Quarantine damaged slots, free other models' slots, remove orphans.
+
+        A slot is acted on only if its header is still the one the scan saw.
+
+        Raises:
+            StateError: the backend was opened read-only.
+        """
+        self._check_writable("repair")
+        return [self._repair(report) for report in reports]
+
+    def _repair(self, report: ObjectReport) -> RepairResult:
+        if not report.state.problem:
+            return RepairResult(report=report, action=RepairAction.KEPT, reason="not a problem")
+        if report.state is ObjectState.ORPHANED_TEMP:
+            return remove_orphan(report, self._tmp_dir)
+        found = self._slot_of(report.location)
+        if found is None:
+            return RepairResult(
+                report=report, action=RepairAction.KEPT, reason="not a slot of this store"
+            )
+        cls, slot = found
+        raw = self._header_at(cls, slot)
+        if raw is None or int(xxhash.xxh3_64_intdigest(raw)) != report.identity:
+            return RepairResult(
+                report=report, action=RepairAction.GONE, reason="rewritten since the scan"
+            )
+        if report.key is not None:
+            self._index.remove(report.key)
+            self._forget(report.key)
+        keep = report.state is not ObjectState.WRONG_MODEL
+        copy_as = (report.key.name if report.key else f"slot{slot}") if keep else None
+        try:
+            freed = self._free_slot(cls, slot, raw, copy_as=copy_as)
+        except OSError as error:
+            return RepairResult(report=report, action=RepairAction.FAILED, reason=str(error))
+        if not freed:
+            return RepairResult(
+                report=report, action=RepairAction.GONE, reason="rewritten since the scan"
+            )
+        if not keep:
+            self._stats.record_deleted(1)
+        action = RepairAction.QUARANTINED if keep else RepairAction.REMOVED
+        return RepairResult(report=report, action=action)
+
+    def _slot_of(self, location: str) -> tuple[_SlotClass, int] | None:
+        """The class and slot a report's ``path@offset`` names."""
+        path_text, _, offset_text = location.rpartition("@")
+        path = Path(path_text)
+        try:
+            parts = path.relative_to(self._classes_dir).parts
+        except ValueError:
+            return None
+        if len(parts) != 5 or not offset_text.isdigit():
+            return None
+        namespace = namespace_of(*parts[:3])
+        size = _slot_size_of(parts[3])
+        if namespace is None or size is None:
+            return None
+        cls = self._classes_of(namespace).get(size)
+        if cls is None:
+            return None
+        for file in range(cls.data_files):
+            if cls.path(file) == path:
+                offset = int(offset_text)
+                if offset % cls.slot_size or offset // cls.slot_size >= cls.slots_per_file:
+                    return None
+                return cls, file * cls.slots_per_file + offset // cls.slot_size
+        return None
+
 
 # ---------------------------------------------------------------------- helpers
+
+
+_SCAN_CHUNK: Final = 1 << 20
 
 
 def _slot_size(nbytes: int) -> int:

@@ -36,7 +36,7 @@ import hashlib
 import importlib
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from typing import Final, Protocol, cast
 
 from sglang_storage.core import DataKind, Namespace, Shard
@@ -242,6 +242,16 @@ def _words(token_ids: Sequence[int], owner: str) -> tuple[array[int], array[int]
             field="token_ids",
             reason="must be a sequence of int token ids, not text or bytes",
             value=token_ids,
+        )
+    given: object = token_ids  # typed as a Sequence, but callers pass what they have
+    if not isinstance(given, Sized) or not isinstance(given, Iterable):
+        # An iterator would be used up by the checks below and hash as no tokens at all.
+        raise ConfigError(
+            owner=owner,
+            field="token_ids",
+            reason="must be a sized sequence of int token ids (a list, tuple or array.array), "
+            "not an iterator or a non-sequence",
+            value=type(token_ids).__name__,
         )
     if isinstance(token_ids, array):
         if token_ids.typecode not in _INT_TYPECODES:

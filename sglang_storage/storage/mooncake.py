@@ -26,7 +26,8 @@ Mooncake's behaviour, handled deliberately:
   reported corrupt.
 - A full cluster (no segment can take the object) is a ``CapacityError`` result; the
   master evicts on its own above its high watermark, so later puts succeed again.
-- A master that stops or restarts: calls fail fast with ``RPC_FAIL``. Meanwhile reads are
+- A master that stops or restarts: calls fail with ``RPC_FAIL`` after the client's own
+  RPC timeout (about 4 s each here; a put makes two calls). Meanwhile reads are
   misses (``exists`` false, ``get_into`` per-key errors) and writes are per-key errors;
   nothing raises to the caller. The Mooncake client reconnects and remounts its segment by
   itself, and the backend serves again without being reopened. A restarted master has
@@ -428,7 +429,11 @@ class MooncakeBackend:
 
     @property
     def capabilities(self) -> Capabilities:
-        """Zero copy; shared by every process and host of the cluster; in memory only."""
+        """Zero copy; shared by every process and host of the cluster; in memory only.
+
+        Not scannable: Mooncake's Python client (``MooncakeDistributedStore``) has no call
+        that lists keys, so the backend cannot enumerate what the cluster holds.
+        """
         return Capabilities(
             zero_copy=True,
             shared_across_processes=True,
@@ -436,6 +441,7 @@ class MooncakeBackend:
             durable=False,
             bounded=True,
             registers_memory=True,
+            scannable=False,
         )
 
     # ------------------------------------------------------------------ memory registration

@@ -27,6 +27,7 @@ from sglang_storage.core import EvictionPolicy, ObjectKey
 from sglang_storage.errors import BackendUnavailableError, ConfigError
 from sglang_storage.storage.backend import Backend
 from sglang_storage.storage.dram import MemoryBackend, MemoryBackendConfig
+from sglang_storage.storage.faults import FaultInjectingBackend, FaultyBackendConfig
 from sglang_storage.storage.file import FileBackend, FileBackendConfig
 from sglang_storage.storage.hf3fs import Hf3fsBackend, Hf3fsBackendConfig
 from sglang_storage.storage.mooncake import MooncakeBackend, MooncakeBackendConfig
@@ -200,6 +201,15 @@ def _mooncake(config: MooncakeBackendConfig, context: BackendContext) -> Backend
     return MooncakeBackend(config, eviction=context.eviction)
 
 
+def _faulty(config: FaultyBackendConfig, context: BackendContext) -> Backend:
+    inner = create_backend(config.inner, config.inner_options, eviction=context.eviction)
+    try:
+        return FaultInjectingBackend(inner, config.schedule)
+    except ConfigError:
+        inner.close()
+        raise
+
+
 register_backend(
     BackendEntry(
         name="memory",
@@ -230,5 +240,13 @@ register_backend(
         config_type=Hf3fsBackendConfig,
         factory=_hf3fs,
         summary="slots in large preallocated files on a 3FS mount (usrbio client or POSIX)",
+    )
+)
+register_backend(
+    BackendEntry(
+        name="faulty",
+        config_type=FaultyBackendConfig,
+        factory=_faulty,
+        summary="another backend with seeded injected faults (reliability tests, drills)",
     )
 )

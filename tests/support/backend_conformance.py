@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Literal, TypeAlias, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeAlias, TypeVar, cast
 
 import pytest
 
@@ -60,7 +60,7 @@ from sglang_storage.errors import (
     ConfigError,
     CorruptObjectError,
 )
-from sglang_storage.storage import Backend, create_backend
+from sglang_storage.storage import Backend, ObjectState, Scannable, create_backend, summarize
 from sglang_storage.storage.format import HEADER_SIZE
 
 __all__ = [
@@ -844,6 +844,41 @@ class BackendConformance(abc.ABC, Generic[B]):
             ).outcome is (PutOutcome.PRESENT)
         finally:
             reopened.close()
+
+    # -------------------------------------------------------------- scanning (fsck)
+
+    def test_scan_reports_every_object_and_repair_removes_damage(self, backend: B) -> None:
+        if not backend.capabilities.scannable:
+            pytest.skip(f"{backend.name}: capabilities.scannable is false")
+        scanner = cast(Scannable, backend)
+        ns, embeddings = namespace(), namespace(kind=DataKind.EMBEDDING)
+        data = {ns.key(f"scan{i}"): b"" for i in range(4)}
+        for i, key in enumerate(data):
+            data[key] = _store(backend, key, 100 * (i + 1))
+        data[embeddings.key("emb")] = _store(backend, embeddings.key("emb"), 300)
+        reports = [r for r in scanner.scan() if r.key is not None]
+        assert {r.key: r.state for r in reports} == dict.fromkeys(data, ObjectState.OK)
+        assert {r.key: r.nbytes for r in reports} == {
+            key: HEADER_SIZE + len(value) for key, value in data.items()
+        }
+        summary = summarize(scanner.scan())
+        assert summary.problems == 0
+        assert summary.kinds[DataKind.EMBEDDING].count == 1
+        assert summary.namespaces[ns.path].count == 4
+
+        damaged = ns.key("scan1")
+        self.corrupt(backend, damaged, "flip")
+        quick = [r for r in scanner.scan(payloads=False) if r.key is not None]
+        assert {r.state for r in quick} == {ObjectState.OK}, "headers only: payloads unread"
+        bad = [r for r in scanner.scan() if r.state.problem]
+        assert [(r.state, r.key) for r in bad] == [(ObjectState.CORRUPT, damaged)]
+        assert bad[0].reason == "payload checksum mismatch"
+        assert [r.action.resolved for r in scanner.repair(bad)] == [True]
+        assert summarize(scanner.scan()).problems == 0
+        _assert_miss(backend, damaged, 200)
+        for key, value in data.items():
+            if key != damaged:
+                _assert_hit(backend, key, value)
 
     # -------------------------------------------------------------- capacity
 
