@@ -9,7 +9,7 @@ INSTALL_INPUTS := pyproject.toml ci/constraints.txt ci/sglang-cpu-requirements.t
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k units -x"`.
 PYTEST_ARGS ?=
 
-.PHONY: setup test typecheck lint check clean apply-patches revert-patches
+.PHONY: setup test typecheck lint check clean apply-patches revert-patches bench demo
 
 setup: $(STAMP)
 
@@ -53,6 +53,35 @@ apply-patches: $(STAMP)
 
 revert-patches: $(STAMP)
 	$(BIN)/python -m sglang_storage_adapters.patching revert $(PATCH_ARGS)
+
+# The benchmark suite: the benchmarks/ scripts with their quick settings (their output
+# kept in build/bench), then `sglang-storage bench` side by side with SGLang's HiCacheFile,
+# writing $(BENCH_REPORT)/report.md with charts and every script's output. 2-5 minutes
+# (file_backend.py and the bench wait for ext4 to settle after deletions).
+BENCH_REPORT ?= docs/bench
+BENCH_ARGS ?= --compare sglang-file --repeats 5 --settle 120
+BENCH_SCRIPTS = "host_pool.py --quick" "storage_pipeline.py --repeats 3" \
+	"mooncake_backend.py --quick" "file_backend.py --quick"
+
+bench: $(STAMP)
+	@mkdir -p build/bench
+	@set -e; attach=; for run in $(BENCH_SCRIPTS); do \
+		log=build/bench/$${run%%.py*}.txt; attach="$$attach --attach $$log"; \
+		echo "$$ python benchmarks/$$run" | tee $$log; \
+		$(BIN)/python benchmarks/$$run >> $$log 2> $$log.err \
+			|| { tail -n 20 $$log $$log.err; echo "error: benchmarks/$$run failed; output in $$log(.err)" >&2; exit 1; }; \
+		tail -n +2 $$log; \
+	done; \
+	echo "$$ sglang-storage bench $(BENCH_ARGS) --report $(BENCH_REPORT)"; \
+	$(BIN)/sglang-storage bench $(BENCH_ARGS) --report $(BENCH_REPORT) $$attach
+
+# The demo: a multi-turn workload through device, host and the file backend under
+# ./.sglang-storage-demo (run it twice: the second run gets storage hits). DEMO_ARGS=...
+# passes options, e.g. DEMO_ARGS=--fresh.
+DEMO_ARGS ?=
+
+demo: $(STAMP)
+	$(BIN)/sglang-storage replay $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache
