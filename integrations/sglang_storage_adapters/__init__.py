@@ -6,6 +6,18 @@ This is the only package that imports ``sglang``. Its modules:
   HiCache L3 storage backend (v0, v1 zero copy, v2 multi-pool).
 - :mod:`.flags` - the ``--storage-*`` server flags and their translation into SGLang's
   own ``hicache_*`` settings (called from ``patches/sglang-0.5.23``).
+- :mod:`.runtime` - ``runtime_settings(server_args)``: whether sglang_storage is on in this
+  process and which managers serve.
+- :mod:`.plugin` - the ``sglang.srt.plugins`` entry point; runs each adapter's installer.
+- :mod:`.hicache_controller` - the HiCache controller, host pools and device<->host engine
+  on our pools and pipelines (installed as a stack strategy).
+- :mod:`.decode` - ``DecodeKVCacheOffloadManager`` on our decode offload manager.
+- :mod:`.sparse` - the HiSparse coordinator on our sparse KV manager.
+- :mod:`.embedding` - the encoder embedding cache controller, its store and the static
+  multimodal cache on our embedding manager (also installed by patch ``0005`` in
+  encoder ranks, which never load plug-ins).
+- :mod:`.bench_baselines` - SGLang's ``HiCacheFile`` as a ``sglang-storage bench``
+  baseline (``--compare sglang-file``).
 - :mod:`.patching` - ``python -m sglang_storage_adapters.patching apply|revert|status``,
   behind ``make apply-patches`` / ``make revert-patches``.
 

@@ -81,8 +81,11 @@ DYNAMIC_BACKEND_NAME: Final = "sglang_storage"
 
 MANAGER_NAMES: Final = ("kv", "decode", "sparse", "embedding", "records", "weights")
 """Every data-kind manager sglang_storage has or will have, in ``--storage-managers`` order."""
-AVAILABLE_MANAGERS: Final = ("kv",)
-"""The managers this integration serves in this release (the HiCache KV tiers)."""
+AVAILABLE_MANAGERS: Final = ("kv", "decode", "sparse", "embedding")
+"""The managers this integration serves in this release: the HiCache KV tiers, decode-side
+request offload, HiSparse token offload and the encoder embedding cache. Each takes effect
+only where SGLang builds that component (e.g. ``decode`` under
+``--disaggregation-decode-enable-offload-kvcache``)."""
 WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back")
 """``--storage-write-policy`` values; SGLang's ``--hicache-write-policy`` choices."""
 PREFETCH_POLICIES: Final = ("best_effort", "wait_complete", "timeout")
@@ -198,19 +201,19 @@ def parse_backend_config(text: str) -> dict[str, object]:
             ) from None
         try:
             options = loader(data)
-        except (ValueError, UnicodeDecodeError) as error:
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
             raise ConfigError(
                 owner=_OWNER, field=field, value=text, reason=f"is not valid {suffix[1:]}: {error}"
             ) from None
     else:
         try:
             options = json.loads(text)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:
             raise ConfigError(
                 owner=_OWNER,
                 field=field,
                 value=text,
-                reason=f"is not valid JSON: {error}",
+                reason=f"is not valid JSON: {str(error) or 'nested too deeply'}",
                 allowed='a JSON object such as \'{"root": "/var/cache/kv"}\', or @FILE',
             ) from None
     if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
@@ -420,7 +423,8 @@ def _flags() -> tuple[_Flag, ...]:
             "LIST",
             "Comma-separated data kinds sglang_storage manages: "
             f"{', '.join(MANAGER_NAMES)}. This release serves "
-            f"{', '.join(AVAILABLE_MANAGERS)} only; naming another is an error. Default: kv.",
+            f"{', '.join(AVAILABLE_MANAGERS)} only; naming another is an error. Default: all "
+            "of those; each takes effect only where SGLang builds that component.",
             parse_managers,
         ),
     )

@@ -122,9 +122,7 @@ _OWNER: Final = "sglang_storage HiCache extra config"
 _SGLANG_KEYS: Final = frozenset(
     {"backend_name", "module_path", "class_name", "interface_v1", "allocator", "file_storage_path"}
 )
-_OUR_KEYS: Final = frozenset(
-    {"storage_backend", "storage_options", "storage_managers", "eviction"}
-)
+_OUR_KEYS: Final = frozenset({"storage_backend", "storage_options", "storage_managers", "eviction"})
 _KV: Final = "kv"
 _MAMBA: Final = "mamba"
 _SAFE_NAME: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,159}")
@@ -391,6 +389,13 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
                 reason="is a logical pool; it stores nothing",
             )
         return pool.key(key)
+
+    def record_transfer(self, *, prefetch: bool, pages: int, nbytes: int, seconds: float) -> None:
+        """Count pages moved for this backend by someone else (the controller's pipeline).
+
+        They appear in the next ``get_stats()`` as SGLang's prefetch or backup metrics.
+        """
+        self._metrics.record(prefetch=prefetch, pages=pages, nbytes=nbytes, seconds=seconds)
 
     def backend_stats(self) -> BackendStats:
         """Our backend's contents and counters (richer than SGLang's ``StorageMetrics``)."""

@@ -74,7 +74,7 @@ def runtime_settings(server_args: object) -> RuntimeSettings | None:
     if isinstance(raw, str):
         try:
             extra = json.loads(raw)
-        except json.JSONDecodeError as error:
+        except (ValueError, RecursionError) as error:
             raise ConfigError(
                 owner=_OWNER,
                 field="hicache_storage_backend_extra_config",

@@ -116,13 +116,14 @@ def test_host_memory_takes_sizes_of_at_least_one_gb() -> None:
     assert "KiB" in str(_error(lambda: parse_host_memory("64 gigs")))  # lists the units
 
 
-def test_managers_accept_kv_and_name_the_ones_not_there_yet() -> None:
+def test_managers_accept_the_served_ones_and_name_the_ones_not_there_yet() -> None:
     assert parse_managers(" kv ") == ("kv",)
-    later = _error(lambda: parse_managers("kv,decode"))
+    assert parse_managers("kv,decode,sparse,embedding") == AVAILABLE_MANAGERS
+    later = _error(lambda: parse_managers("kv,records"))
     assert "not available yet in this release" in str(later)
-    assert later.value == "decode"
+    assert later.value == "records"
     assert later.allowed == ", ".join(AVAILABLE_MANAGERS)
-    several = _error(lambda: parse_managers("sparse,weights"))
+    several = _error(lambda: parse_managers("records,weights"))
     assert "names managers that are not available yet" in str(several)
     unknown = _error(lambda: parse_managers("kv,vision"))
     assert "names no sglang_storage manager" in str(unknown)
@@ -190,7 +191,7 @@ def test_translation_is_sglang_s_dynamic_backend_with_our_adapter(tmp_path: Path
         "interface_v1": 1,
         "storage_backend": "file",
         "storage_options": {"root": str(tmp_path), "capacity_bytes": "500GiB"},
-        "storage_managers": ["kv"],
+        "storage_managers": list(AVAILABLE_MANAGERS),
         "prefetch_threshold": 128,
         "prefetch_timeout_base": 2.0,
         "prefetch_timeout_per_ki_token": 0.5,
@@ -416,7 +417,7 @@ def test_server_args_from_storage_flags(tmp_path: Path) -> None:
         (["--storage-backend", "nope"], "argument --storage-backend: is not a known"),
         (["--storage-write-policy", "sometimes"], "argument --storage-write-policy: invalid"),
         (["--storage-host-memory", "12MB"], "argument --storage-host-memory: must be at least"),
-        (["--storage-managers", "kv,sparse"], "not available yet in this release"),
+        (["--storage-managers", "kv,weights"], "not available yet in this release"),
         (["--storage-prefetch-threshold", "-1"], "argument --storage-prefetch-threshold: must"),
         (["--storage-backend-config", "{"], "argument --storage-backend-config: is not valid"),
         (["--storage-backend", "memory", "--hicache-storage-backend", "file"], "cannot be"),

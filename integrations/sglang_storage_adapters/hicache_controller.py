@@ -1,0 +1,1010 @@
+"""SGLang 0.5.23's HiCache controller and KV host pool on sglang_storage's memory and pipelines.
+
+SGLang's tree (``UnifiedRadixCache``) and scheduler speak to their controller through a
+queue-shaped contract (map section 2.4): ``write``/``load`` return host or device indices,
+acknowledgements arrive in ``ack_write_queue``/``ack_load_queue`` as events the tree polls,
+and the tree calls private methods (``_move_write_operation``, ``_l2_transfers``, ...). This
+module keeps that contract byte for byte by subclassing SGLang's own classes, and swaps
+what is underneath:
+
+- :class:`StorageMHAHostPool` / :class:`StorageMLAHostPool` - SGLang's ``HostKVCache``
+  surface (``alloc``/``free``/``available_size``/``clear`` in token indices, the page API
+  SGLang's storage backends use) over our :class:`~sglang_storage.memory.KVHostPool`: the
+  buffer comes from our host memory budget (page-locked where CUDA exists, refused at
+  start-up when the host cannot hold it) and pages are allocated by our slot allocator,
+  which refuses to free a page a transfer still uses.
+- :class:`PipelineTransferEngine` - SGLang's ``L2TransferEngine`` contract
+  (``submit_device_to_host``/``submit_host_to_device`` returning a ``TransferCompletion``
+  of events) over our :class:`~sglang_storage.transfer.DeviceHostPipeline`: the ``torch``
+  I/O backend on CPU (where SGLang's own copies need ``sgl_kernel`` and cannot run) and the
+  ``kernel`` backend where it can.
+- :class:`StorageTransfers` - SGLang's ``write_storage`` / ``ack_backup_queue`` (host to
+  storage backups) over our :class:`~sglang_storage.transfer.StoragePipeline` and backend,
+  instead of SGLang's backup thread: the tree's ack drain (``qsize``/``empty`` of
+  ``ack_backup_queue``) collects the pipeline's finished puts as values.
+- :class:`StorageCacheController` - a ``HybridCacheController`` whose device<->host
+  engine, host pool and backups are the three above. The rest of its storage tier (hit
+  queries, prefetch with its stop policies and TP agreement, attach/detach) is SGLang's
+  code over our backends behind SGLang's ``dynamic`` seam (:mod:`.hicache_storage`), so
+  those keep SGLang's exact semantics.
+- :class:`StorageStackStrategy` - installs all of it through SGLang's own seam
+  ``register_stack_strategy`` (see :mod:`.plugin`): it matches plain MHA/MLA KV caches
+  only when :func:`~.runtime.runtime_settings` says the ``kv`` manager is on, and otherwise
+  leaves SGLang's own strategy to build SGLang's own stack.
+
+What stays SGLang's: the tree, its index bookkeeping (which host token slots hold which
+node), the controller's queues, and its prefetch threads (three: prefetch, I/O, TP sync;
+the backup thread idles). Our
+:class:`~sglang_storage.managers.kv.KVCacheManager` is key-addressed and owns that
+bookkeeping itself, so it cannot sit behind an index-addressed tree; the adapter composes
+the manager's parts (host pool, device pipeline, backend) instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import torch
+
+from sglang_storage.core import GetRequest, PutRequest, PutResult
+from sglang_storage.errors import CapacityError, ConfigError, StorageError
+from sglang_storage.memory import (
+    Attention,
+    BudgetConfig,
+    HostMemory,
+    HostMemoryBudget,
+    KVGeometry,
+    KVHostPool,
+    KVLayout,
+)
+from sglang_storage.transfer import (
+    DeviceHostPipeline,
+    DeviceTransferConfig,
+    DeviceTransferHandle,
+    Priority,
+    PutHandle,
+    StoragePipeline,
+    StoragePipelineConfig,
+)
+from sglang_storage.transfer.device_kv import DeviceKV
+from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.hicache_storage import HiCacheBackend
+from sglang_storage_adapters.runtime import runtime_settings
+
+require_supported_sglang()
+
+# After the version check: these modules exist with these names in 0.5.23 only.
+from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (  # noqa: E402
+    HybridCacheController,
+    StorageOperation,
+)
+from sglang.srt.mem_cache.l2_transfer import TransferCompletion  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host import HostPoolGroup  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import (  # noqa: E402
+    MHATokenToKVPoolHost,
+    get_mha_host_pool_cls,
+)
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType  # noqa: E402
+from sglang.srt.utils import get_device_module  # noqa: E402
+
+__all__ = [
+    "PipelineTransferEngine",
+    "StorageCacheController",
+    "StorageHostPool",
+    "StorageMHAHostPool",
+    "StorageMLAHostPool",
+    "StorageStackStrategy",
+    "StorageTransfers",
+    "build_host_pool",
+    "device_kv",
+    "install",
+]
+
+log = logging.getLogger(__name__)
+
+_OWNER: Final = "sglang_storage HiCache controller"
+_LAYOUTS: Final = {layout.value: layout for layout in KVLayout}
+_device_module: Any = get_device_module()
+
+
+# ---------------------------------------------------------------------- host pools
+
+
+class StorageHostPool:
+    """SGLang's ``HostKVCache`` allocation surface over our :class:`KVHostPool`.
+
+    Mixed into SGLang's own MHA/MLA host pool classes (their page API, layouts and
+    attributes are kept); only where the bytes live and who allocates pages change.
+    Token indices SGLang sees are ``page * page_size + offset``.
+    """
+
+    storage_pool: KVHostPool
+    """Our pool: the buffer and the page allocator."""
+
+    # Attributes SGLang's HostKVCache sets; declared for the type checker.
+    page_size: int
+    page_num: int
+    size: int
+    layer_num: int
+    layout: str
+    dtype: torch.dtype
+    lock: Any
+    kv_buffer: torch.Tensor
+    fd: Any
+    before_free: Callable[[], None] | None = None
+    """Called before pages are freed (the controller collects finished transfers)."""
+
+    def _geometry(self) -> KVGeometry:
+        raise NotImplementedError
+
+    def _allocate_host_buffer(self) -> None:
+        # Replaces SGLang's: its budget check and cudaHostRegister become ours.
+        from sglang.srt.mem_cache.pool_host.base import ranks_per_host
+
+        geometry = self._geometry()
+        nbytes = geometry.total_bytes
+        # Checked at start-up against this host's memory, shared by its ranks (as SGLang).
+        config = BudgetConfig(total=nbytes, kv=nbytes, ranks_per_host=ranks_per_host())
+        budget = HostMemoryBudget(config)
+        self.storage_pool = KVHostPool(geometry, HostMemory(budget), label="HiCache KV host pool")
+        self.kv_buffer = self.storage_pool.kv_buffer
+        self.fd = None
+        log.info(
+            "sglang_storage KV host pool: %d pages of %d tokens, layout %s, %d bytes%s",
+            geometry.num_pages,
+            geometry.page_size,
+            geometry.layout.value,
+            nbytes,
+            " (page-locked)" if self.storage_pool.page_locked else "",
+        )
+
+    def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """The page numbers of token ``indices`` that cover whole pages, in order.
+
+        Raises:
+            ConfigError: the indices are not whole pages.
+        """
+        flat = indices.reshape(-1).to("cpu", torch.int64)
+        ps = self.page_size
+        if flat.numel() % ps:
+            raise ConfigError(
+                owner=_OWNER,
+                field="host indices",
+                value=int(flat.numel()),
+                reason=f"must cover whole pages of {ps} tokens",
+            )
+        rows = flat.view(-1, ps)
+        pages = rows[:, 0] // ps
+        if not torch.equal(rows, pages[:, None] * ps + torch.arange(ps)):
+            raise ConfigError(
+                owner=_OWNER,
+                field="host indices",
+                reason="must be whole pages (page_size consecutive tokens from a page start)",
+            )
+        return pages
+
+    def tokens_of(self, pages: torch.Tensor) -> torch.Tensor:
+        """Every token index of ``pages``, page by page."""
+        ps = self.page_size
+        return (pages.to(torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)
+
+    def clear(self) -> None:
+        """Free every page (SGLang's reset; nothing may be in flight)."""
+        pool = getattr(self, "storage_pool", None)
+        if pool is not None:
+            pool.slots.reset()
+
+    def available_size(self) -> int:
+        """Free host token slots."""
+        return int(self.storage_pool.slots.free_count) * self.page_size
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size`` token slots (whole pages), or None when host memory is short."""
+        if need_size % self.page_size:
+            raise ConfigError(
+                owner=_OWNER,
+                field="need_size",
+                value=need_size,
+                reason=f"must be a multiple of the page size ({self.page_size})",
+            )
+        with self.lock:
+            try:
+                pages = self.storage_pool.alloc(need_size // self.page_size)
+            except CapacityError:
+                return None
+        return self.tokens_of(pages)
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Give token slots (whole pages) back; returns how many tokens were freed.
+
+        Raises:
+            StateError: a page is not allocated, or a transfer still uses it.
+        """
+        if indices.numel() == 0:
+            return 0
+        pages = self.pages_of(indices)
+        if self.before_free is not None:
+            self.before_free()
+        with self.lock:
+            self.storage_pool.free(pages)
+        return int(indices.numel())
+
+    def destroy(self) -> None:
+        """Release the buffer to our host memory (idempotent)."""
+        pool = getattr(self, "storage_pool", None)
+        if pool is not None and not getattr(self, "_destroyed", False):
+            self._destroyed = True
+            pool.close()
+
+
+class StorageMHAHostPool(StorageHostPool, MHATokenToKVPoolHost):  # type: ignore[misc]
+    """SGLang's ``MHATokenToKVPoolHost`` with its buffer and pages from our KV host pool."""
+
+    head_num: int
+    head_dim: int
+
+    def _init_write_back_staging_buffers(self, buffer_info: Any, write_back_staging: Any) -> None:
+        # SGLang's staged write-back kernel is not on our path: no device staging buffers.
+        self.staging_page_capacity = 0
+        self.staging_token_capacity = 0
+        self.staging_k_buffer = None
+        self.staging_v_buffer = None
+        self.can_use_write_back_jit = False
+
+    def _geometry(self) -> KVGeometry:
+        return KVGeometry(
+            attention=Attention.MHA,
+            layout=_layout(self.layout),
+            dtype=self.dtype,
+            layer_num=self.layer_num,
+            page_size=self.page_size,
+            num_pages=self.page_num,
+            head_num=self.head_num,
+            head_dim=self.head_dim,
+        )
+
+
+class StorageMLAHostPool(StorageHostPool, MLATokenToKVPoolHost):  # type: ignore[misc]
+    """SGLang's ``MLATokenToKVPoolHost`` with its buffer and pages from our KV host pool."""
+
+    kv_cache_dim: int
+
+    def _geometry(self) -> KVGeometry:
+        return KVGeometry(
+            attention=Attention.MLA,
+            layout=_layout(self.layout),
+            dtype=self.dtype,
+            layer_num=self.layer_num,
+            page_size=self.page_size,
+            num_pages=self.page_num,
+            head_num=1,
+            head_dim=self.kv_cache_dim,
+        )
+
+
+def _layout(name: str) -> KVLayout:
+    try:
+        return _LAYOUTS[name]
+    except KeyError:
+        raise ConfigError(
+            owner=_OWNER,
+            field="hicache_mem_layout",
+            value=name,
+            reason="is not a layout the sglang_storage KV host pool holds",
+            allowed=", ".join(_LAYOUTS),
+        ) from None
+
+
+def device_kv(device_pool: Any, host: KVHostPool) -> DeviceKV:
+    """SGLang's device pool's per-layer buffers as our :class:`DeviceKV` (no copy)."""
+    if isinstance(device_pool, MLATokenToKVPool):
+        return DeviceKV(geometry=host.geometry, k=device_pool.kv_buffer)
+    return DeviceKV(geometry=host.geometry, k=device_pool.k_buffer, v=device_pool.v_buffer)
+
+
+# ---------------------------------------------------------------------- device <-> host
+
+
+class PipelineTransferEngine:
+    """SGLang's ``L2TransferEngine`` contract over our device<->host pipeline.
+
+    Args:
+        pipeline: Our pipeline between the device pool and ``host``'s KV host pool.
+        host: The SGLang-facing host pool whose token indices transfers name.
+
+    Only transfers of ``host`` are accepted (plain KV stacks have no other pool).
+    Completions are events of SGLang's device module, recorded when the copy has
+    finished: on CPU at once (our copies are synchronous there), on CUDA on this engine's
+    streams after they wait for our pipeline's transfer.
+    """
+
+    def __init__(self, pipeline: DeviceHostPipeline, host: StorageHostPool) -> None:
+        self.pipeline = pipeline
+        self.host = host
+        self.io_backend = pipeline.io_backend
+        self.device_to_host_stream = _device_module.Stream()
+        self.host_to_device_stream = _device_module.Stream()
+        self._cuda = pipeline.device.type == "cuda"
+        self._in_flight: list[DeviceTransferHandle] = []
+
+    def poll(self) -> None:
+        """Collect finished transfers (unpins their host pages); raise on a failed one.
+
+        Raises:
+            StorageError: a copy failed (the tree already counts its pages as moved).
+        """
+        self.pipeline.poll()
+        still = []
+        for handle in self._in_flight:
+            if handle.done():
+                result = handle.wait()
+                if result.error is not None:
+                    raise result.error
+            else:
+                still.append(handle)
+        self._in_flight = still
+
+    def _pages(self, transfers: Sequence[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for transfer in transfers:
+            if transfer.host_pool is not self.host:
+                raise ConfigError(
+                    owner=_OWNER,
+                    field="L2 transfer",
+                    value=type(transfer.host_pool).__name__,
+                    reason="names a host pool this engine does not serve",
+                    allowed="the sglang_storage KV host pool",
+                )
+            out.append(
+                (self.host.pages_of(transfer.host_indices), transfer.device_indices.to("cpu"))
+            )
+        return out
+
+    def _finish(self, handle: DeviceTransferHandle, stream: Any) -> Any:
+        event = _device_module.Event()
+        if self._cuda:
+            with torch.cuda.stream(stream):
+                handle.fence()
+                event.record()
+            self._in_flight.append(handle)
+        else:
+            result = handle.wait()
+            if result.error is not None:
+                raise result.error
+            event.record()
+        return event
+
+    def submit_device_to_host(self, transfers: list[Any]) -> Any:
+        """Copy device pages into host pages (every layer); SGLang's ``TransferCompletion``."""
+        self.poll()
+        start = _device_module.Event()
+        start.record()
+        finish = start
+        stream = self.device_to_host_stream
+        for pages, tokens in self._pages(transfers):
+            if self._cuda:
+                with torch.cuda.stream(stream):
+                    handle = self.pipeline.offload(pages, tokens)
+            else:
+                handle = self.pipeline.offload(pages, tokens)
+            finish = self._finish(handle, stream)
+        return TransferCompletion(start, finish, False)
+
+    def submit_host_to_device(
+        self,
+        transfers: list[Any],
+        *,
+        transfer_layer_id_max: int,
+        start_event: Any = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> Any:
+        """Copy host pages into device pages layer by layer, calling ``on_layer_done(i)``."""
+        self.poll()
+        if start_event is None:
+            start_event = _device_module.Event()
+            start_event.record()
+        stream = self.host_to_device_stream
+        moves = self._pages(transfers)
+        handles = []
+        for pages, tokens in moves:
+            if self._cuda:
+                with torch.cuda.stream(stream):
+                    stream.wait_event(start_event)
+                    handles.append(self.pipeline.load(pages, tokens))
+            else:
+                handles.append(self.pipeline.load(pages, tokens))
+        for layer in range(transfer_layer_id_max):
+            if self._cuda:
+                with torch.cuda.stream(stream):
+                    for handle in handles:
+                        handle.wait_layer(layer)
+                    if on_layer_done is not None:
+                        on_layer_done(layer)
+            elif on_layer_done is not None:
+                on_layer_done(layer)
+        finish = start_event
+        for handle in handles:
+            finish = self._finish(handle, stream)
+        if not handles:
+            finish = _device_module.Event()
+            finish.record()
+        return TransferCompletion(start_event, finish, False)
+
+
+# ---------------------------------------------------------------------- host -> storage
+
+
+class StorageTransfers:
+    """The controller's host<->storage page I/O on our :class:`StoragePipeline`.
+
+    For a plain KV stack whose backend is ours, pages move as zero-copy views of our host
+    pool under the object keys :class:`~.hicache_storage.HiCacheBackend` uses, pinned while
+    they move, on one pipeline where prefetch reads (``URGENT``) go before backups
+    (``BACKGROUND``):
+
+    - :meth:`submit_backup` / :meth:`collect` - SGLang's ``write_storage`` without its
+      backup thread: each ``StorageOperation`` is one put; ``collect`` (scheduler thread)
+      returns the operations whose put ended, ``completed_tokens`` set to the leading run
+      of stored pages (SGLang's meaning), for the controller to acknowledge.
+    - :meth:`read` - the KV reads of SGLang's prefetch I/O thread (its ``page_get_func``):
+      waits for the get and returns the leading run of pages read.
+
+    Args:
+        backend: The attached HiCache backend (ours): its backend and object keys.
+        host: Our host pool the pages are read from.
+        config: How the pipeline runs.
+        read_timeout_s: How long a prefetch read waits before it is cancelled.
+    """
+
+    def __init__(
+        self,
+        backend: HiCacheBackend,
+        host: StorageHostPool,
+        config: StoragePipelineConfig | None = None,
+        *,
+        read_timeout_s: float = 60.0,
+    ) -> None:
+        self._hicache = backend
+        self._host = host
+        self._config = config if config is not None else StoragePipelineConfig()
+        self._read_timeout_s = read_timeout_s
+        self._pipeline = StoragePipeline(backend.backend, self._config)
+        self._ops: dict[int, tuple[PutHandle, Any, torch.Tensor]] = {}
+
+    @property
+    def pipeline(self) -> StoragePipeline:
+        """The pipeline the puts run on (metrics)."""
+        return self._pipeline
+
+    @property
+    def in_flight(self) -> int:
+        """Backups submitted and not yet collected."""
+        return len(self._ops)
+
+    def submit_backup(self, operation: Any) -> bool:
+        """Start backing up ``operation``'s pages; False (nothing started) when refused."""
+        pool = self._host.storage_pool
+        hashes = list(operation.hash_value or [])
+        pages = self._host.pages_of(operation.host_indices)[: len(hashes)]
+        spec = pool.page_spec
+        try:
+            requests = [
+                PutRequest(
+                    key=self._hicache.object_key(key), spec=spec, buffers=pool.page_views(int(p))
+                )
+                for key, p in zip(hashes, pages.tolist(), strict=True)
+            ]
+            pool.pin(pages)
+        except StorageError as error:
+            log.warning("sglang_storage backup of %d pages refused: %s", len(hashes), error)
+            return False
+        try:
+            handle = self._pipeline.submit_put(requests, priority=Priority.BACKGROUND)
+        except StorageError as error:
+            pool.unpin(pages)
+            log.warning("sglang_storage backup of %d pages refused: %s", len(hashes), error)
+            return False
+        self._ops[handle.op_id] = (handle, operation, pages)
+        return True
+
+    def read(self, hashes: Sequence[str], host_indices: torch.Tensor) -> int:
+        """Read ``hashes``' pages into our host pool at ``host_indices``; leading pages read.
+
+        Blocks the calling (SGLang I/O) thread until the get ends; a get that outlives
+        ``read_timeout_s`` is cancelled and waited for (a backend call in flight writes
+        into the pages), then counts as 0 pages.
+        """
+        pool = self._host.storage_pool
+        pages = self._host.pages_of(host_indices)[: len(hashes)]
+        spec = pool.page_spec
+        try:
+            requests = [
+                GetRequest(
+                    key=self._hicache.object_key(key), spec=spec, buffers=pool.page_views(int(p))
+                )
+                for key, p in zip(hashes, pages.tolist(), strict=True)
+            ]
+            pool.pin(pages)
+        except StorageError as error:
+            log.warning("sglang_storage prefetch of %d pages refused: %s", len(hashes), error)
+            return 0
+        started = time.perf_counter()
+        try:
+            handle = self._pipeline.submit_get(requests, priority=Priority.URGENT)
+            if not handle.wait(self._read_timeout_s):
+                handle.cancel()
+                handle.wait()
+                return 0
+        except StorageError as error:
+            log.warning("sglang_storage prefetch of %d pages failed: %s", len(hashes), error)
+            return 0
+        finally:
+            pool.unpin(pages)
+        read, nbytes = 0, 0
+        for result in handle.partial():
+            if not result.hit:
+                break
+            read, nbytes = read + 1, nbytes + result.nbytes
+        self._hicache.record_transfer(
+            prefetch=True, pages=read, nbytes=nbytes, seconds=time.perf_counter() - started
+        )
+        return read
+
+    def collect(self, timeout_s: float | None = 0.0) -> list[Any]:
+        """The operations whose put ended since the last call, ``completed_tokens`` set."""
+        done = []
+        for handle in self._pipeline.completions(timeout_s):
+            entry = self._ops.pop(handle.op_id, None)
+            if entry is None:
+                continue
+            _, operation, pages = entry
+            self._host.storage_pool.unpin(pages)
+            stored = 0
+            for result in handle.partial():
+                if not (isinstance(result, PutResult) and result.ok):
+                    break
+                stored += 1
+            if stored < len(operation.hash_value or []):
+                log.warning(
+                    "sglang_storage backup: %d of %d pages stored (%s)",
+                    stored,
+                    len(operation.hash_value or []),
+                    handle.error,
+                )
+            operation.completed_tokens = stored * self._host.page_size
+            self._hicache.record_transfer(
+                prefetch=False,
+                pages=stored,
+                nbytes=stored * self._host.storage_pool.page_spec.nbytes,
+                seconds=handle.latency_s or 0.0,
+            )
+            done.append(operation)
+        return done
+
+    def close(self) -> list[Any]:
+        """Finish every backup in flight (bounded) and return the operations that ended."""
+        self._pipeline.close(drain=True)
+        done = self.collect()
+        for _, operation, pages in self._ops.values():  # outlived the close timeout
+            self._host.storage_pool.unpin(pages)
+            operation.completed_tokens = 0
+            done.append(operation)
+        self._ops.clear()
+        return done
+
+
+class _AckQueue(queue.Queue[Any]):
+    """SGLang's ``ack_backup_queue``, filled from our backups whenever the tree looks at it."""
+
+    def __init__(self, pump: Callable[[], None]) -> None:
+        super().__init__()
+        self._pump = pump
+
+    def qsize(self) -> int:
+        self._pump()
+        return super().qsize()
+
+    def empty(self) -> bool:
+        self._pump()
+        return super().empty()
+
+
+# ---------------------------------------------------------------------- controller
+
+
+class StorageCacheController(HybridCacheController):  # type: ignore[misc]
+    """``HybridCacheController`` with our host pool and device<->host pipeline underneath.
+
+    Constructed exactly as SGLang constructs ``HybridCacheController`` (same arguments);
+    every attribute, queue and method the tree and the scheduler use is SGLang's. The
+    host pool group's anchor must be a :class:`StorageHostPool`.
+
+    Raises:
+        ConfigError: the anchor host pool is not ours, or the pools do not match.
+    """
+
+    def __init__(
+        self,
+        token_to_kv_pool_allocator: Any,
+        mem_pool_host: Any,
+        page_size: int,
+        tp_group: Any,
+        load_cache_event: Any,
+        attn_cp_group: Any = None,
+        attn_tp_group: Any = None,
+        pp_group: Any = None,
+        write_policy: str = "write_through_selective",
+        io_backend: str = "",
+        storage_backend: str | None = None,
+        prefetch_threshold: int = 256,
+        model_name: str | None = None,
+        storage_backend_extra_config: dict[str, Any] | None = None,
+        transfer_layer_id_max: int | None = None,
+        enable_storage_metrics: bool = False,
+        host_memory_mode: str = "cache",
+    ) -> None:
+        # SGLang attaches storage inside its constructor; ours attaches once the
+        # device<->host engine below is in place.
+        super().__init__(
+            token_to_kv_pool_allocator,
+            mem_pool_host,
+            page_size,
+            tp_group,
+            load_cache_event,
+            attn_cp_group=attn_cp_group,
+            attn_tp_group=attn_tp_group,
+            pp_group=pp_group,
+            write_policy=write_policy,
+            io_backend=io_backend,
+            storage_backend=None,
+            prefetch_threshold=prefetch_threshold,
+            model_name=model_name,
+            storage_backend_extra_config=storage_backend_extra_config,
+            transfer_layer_id_max=transfer_layer_id_max,
+            enable_storage_metrics=enable_storage_metrics,
+            host_memory_mode=host_memory_mode,
+        )
+        host = self.mem_pool_host.anchor_entry.host_pool
+        if not isinstance(host, StorageHostPool):
+            raise ConfigError(
+                owner=_OWNER,
+                field="mem_pool_host",
+                value=type(host).__name__,
+                reason="must be the sglang_storage KV host pool",
+            )
+        config = DeviceTransferConfig(io_backend="auto")
+        pipeline = DeviceHostPipeline(
+            device_kv(self.mem_pool_device, host.storage_pool), host.storage_pool, config
+        )
+        self.l2_transfer_engine = PipelineTransferEngine(pipeline, host)
+        self._host = host
+        self._transfers: StorageTransfers | None = None
+        host.before_free = self._before_free
+        log.info("sglang_storage HiCache controller: device<->host I/O %s", pipeline.io_detail)
+        if storage_backend is not None:
+            self.attach_storage_backend(
+                storage_backend=storage_backend,
+                prefetch_threshold=prefetch_threshold,
+                model_name=model_name,
+                storage_backend_extra_config=storage_backend_extra_config,
+                host_pools=getattr(self.mem_pool_host, "entries", None),
+            )
+
+    @property
+    def device_pipeline(self) -> DeviceHostPipeline:
+        """Our device<->host pipeline (metrics, I/O backend)."""
+        engine: PipelineTransferEngine = self.l2_transfer_engine
+        return engine.pipeline
+
+    def move_indices(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices as our pipeline takes them: on the CPU, in the tree's order."""
+        return host_indices.to("cpu"), device_indices
+
+    @property
+    def storage_transfers(self) -> StorageTransfers | None:
+        """Our storage I/O (backups, prefetch reads) while our backend is attached.
+
+        None otherwise: another backend attached at run time gets SGLang's own threads.
+        """
+        return self._transfers
+
+    def _before_free(self) -> None:
+        engine: PipelineTransferEngine = self.l2_transfer_engine
+        engine.poll()
+        self._pump_transfers()
+
+    def _pump_transfers(self) -> None:
+        backups = self._transfers
+        if backups is None:
+            return
+        for operation in backups.collect():
+            queue.Queue.put(self.ack_backup_queue, operation)
+
+    def _start_storage_threads(self) -> None:
+        super()._start_storage_threads()
+        self.ack_backup_queue = _AckQueue(self._pump_transfers)
+
+    def attach_storage_backend(
+        self,
+        storage_backend: str,
+        prefetch_threshold: int = 256,
+        model_name: str | None = None,
+        storage_backend_extra_config: dict[str, Any] | None = None,
+        host_pools: list[Any] | None = None,
+    ) -> None:
+        """SGLang's attach; with our backend, backups and prefetch reads use our pipeline."""
+        super().attach_storage_backend(
+            storage_backend=storage_backend,
+            prefetch_threshold=prefetch_threshold,
+            model_name=model_name,
+            storage_backend_extra_config=storage_backend_extra_config,
+            host_pools=host_pools,
+        )
+        if isinstance(self.storage_backend, HiCacheBackend):
+            self._transfers = StorageTransfers(self.storage_backend, self._host)
+            self.page_get_func = self._page_get_pipeline
+
+    def _page_get_pipeline(
+        self, operation: Any, hash_values: list[str], host_indices: Any, extra_info: Any = None
+    ) -> int:
+        backups = self._transfers
+        if backups is None:  # detached meanwhile
+            return 0
+        return backups.read(hash_values, host_indices)
+
+    def detach_storage_backend(self) -> None:
+        """SGLang's detach, with our backups in flight finished and acknowledged as usual.
+
+        SGLang's storage threads stop first, so no prefetch read starts on a closed pipeline.
+        """
+        backups = self._transfers
+        if backups is not None:
+            self._stop_storage_threads()
+            self._transfers = None
+            for operation in backups.close():
+                queue.Queue.put(self.ack_backup_queue, operation)
+        super().detach_storage_backend()
+
+    def reset(self) -> None:
+        """SGLang's reset; backups in flight are finished and dropped, unacknowledged."""
+        if self._transfers is not None:
+            self._stop_storage_threads()  # no prefetch read in flight on the old pipeline
+            self._transfers.close()
+            assert isinstance(self.storage_backend, HiCacheBackend)
+            self._transfers = StorageTransfers(self.storage_backend, self._host)
+        super().reset()
+
+    def write_storage(
+        self,
+        host_indices: torch.Tensor,
+        token_ids: list[int],
+        hash_value: list[str] | None = None,
+        prefix_keys: list[str] | None = None,
+        extra_pools: list[Any] | None = None,
+    ) -> int:
+        """Back host pages up to storage; the ack arrives in ``ack_backup_queue`` (op id)."""
+        if self._transfers is None or extra_pools:
+            return int(
+                super().write_storage(host_indices, token_ids, hash_value, prefix_keys, extra_pools)
+            )
+        operation = StorageOperation(
+            host_indices, token_ids, hash_value=hash_value, prefix_keys=prefix_keys
+        )
+        # A non-writer rank of a TP-shared (MLA) pool stores nothing (SGLang's rule).
+        if self.backup_skip or not self._transfers.submit_backup(operation):
+            queue.Queue.put(self.ack_backup_queue, operation)
+        return int(operation.id)
+
+
+# ---------------------------------------------------------------------- the stack
+
+
+def _host_pool_class(kv_pool: Any) -> type[StorageHostPool] | None:
+    """Our host pool class for ``kv_pool``, or None where SGLang's stack must stay."""
+    if isinstance(kv_pool, MLATokenToKVPool):
+        if type(kv_pool) is not MLATokenToKVPool:
+            return None  # DSA and other MLA variants carry more than the latent rows
+        return StorageMLAHostPool
+    if type(kv_pool) is not MHATokenToKVPool:
+        return None
+    info = kv_pool.get_device_pool_infos()[0].buffer_info
+    if get_mha_host_pool_cls(info) is not MHATokenToKVPoolHost or info.head_dim != getattr(
+        info, "v_head_dim", info.head_dim
+    ):
+        return None  # FP8 scales, asymmetric K/V widths: SGLang's own host pools
+    return StorageMHAHostPool
+
+
+def _kv_enabled() -> bool:
+    from sglang.srt.runtime_context import get_server_args
+
+    # ServerArgs of this process (SGLang publishes them before building caches).
+    settings = runtime_settings(get_server_args())
+    return settings is not None and settings.enabled("kv")
+
+
+class StorageStackStrategy(assembler.StackStrategy):  # type: ignore[misc]
+    """SGLang's plain-KV HiCache stack with our host pool and controller.
+
+    Matches what SGLang's ``_PlainKvStrategy`` matches (a flat MHA or MLA device pool,
+    one FULL component), with SGLang's standard host pool class, a layout our pool holds
+    and no decode context parallelism, when the ``kv`` manager is on; otherwise SGLang's
+    own strategies build the stack.
+    """
+
+    def __init__(self) -> None:
+        self._plain = assembler._PlainKvStrategy()
+
+    def matches(self, kvcache: Any, components: set[Any]) -> bool:
+        """Whether this strategy builds the stack for ``kvcache``."""
+        if not self._plain.matches(kvcache, components) or components != {ComponentType.FULL}:
+            return False
+        if _host_pool_class(kvcache) is None:
+            return False
+        from sglang.srt.runtime_context import get_memory, get_parallel
+
+        try:
+            if get_parallel().dcp_enabled or get_memory().hicache_mem_layout not in _LAYOUTS:
+                return False
+            return _kv_enabled()
+        except StorageError:
+            raise  # a bad --storage-* setting is the operator's to see
+        except (RuntimeError, ValueError) as error:
+            # No published server arguments (not a scheduler process): SGLang's stack.
+            log.debug("sglang_storage HiCache strategy not used: %s", error)
+            return False
+
+    def build_direct_linker_pool_group(self, *, kvcache: Any, params: Any, page_size: int) -> Any:
+        """SGLang's own (the direct linker has no host tier to replace)."""
+        return self._plain.build_direct_linker_pool_group(
+            kvcache=kvcache, params=params, page_size=page_size
+        )
+
+    def build(
+        self,
+        *,
+        cache: Any,
+        kvcache: Any,
+        params: Any,
+        server_args: Any,
+        load_cache_event: Any,
+        storage_backend: str | None = None,
+        storage_backend_extra_config: dict[str, Any] | None = None,
+        prefetch_threshold: int = 256,
+        model_name: str | None = None,
+        enable_storage_metrics: bool = False,
+    ) -> Any:
+        """The host pool group and controller (SGLang's ``StackBuildResult``)."""
+        if params.mtp_draft_device_pools:
+            log.info("sglang_storage: MTP draft KV pools keep SGLang's own HiCache stack")
+            return self._plain.build(
+                cache=cache,
+                kvcache=kvcache,
+                params=params,
+                server_args=server_args,
+                load_cache_event=load_cache_event,
+                storage_backend=storage_backend,
+                storage_backend_extra_config=storage_backend_extra_config,
+                prefetch_threshold=prefetch_threshold,
+                model_name=model_name,
+                enable_storage_metrics=enable_storage_metrics,
+            )
+        from sglang.srt.runtime_context import get_memory
+
+        memory = get_memory()
+        host_pool = build_host_pool(kvcache, params.page_size)
+        layer_mapping = {i: i for i in range(kvcache.layer_num)}
+        group = HostPoolGroup(
+            [
+                assembler.build_pool_entry(
+                    name=PoolName.KV,
+                    host_pool=host_pool,
+                    device_pool=kvcache,
+                    layer_mapping=layer_mapping,
+                    transfer_layer_id_max=len(layer_mapping),
+                    is_anchor=True,
+                )
+            ]
+        )
+        controller = StorageCacheController(
+            params.token_to_kv_pool_allocator,
+            group,
+            params.page_size,
+            params.tp_cache_group,
+            load_cache_event=load_cache_event,
+            attn_cp_group=params.attn_cp_cache_group,
+            attn_tp_group=params.attn_tp_cache_group,
+            pp_group=params.pp_cache_group,
+            write_policy=memory.hicache_write_policy,
+            io_backend=memory.hicache_io_backend,
+            storage_backend=storage_backend,
+            prefetch_threshold=prefetch_threshold,
+            model_name=model_name,
+            storage_backend_extra_config=storage_backend_extra_config,
+            transfer_layer_id_max=len(layer_mapping),
+            enable_storage_metrics=enable_storage_metrics,
+            host_memory_mode=memory.hicache_host_memory_mode,
+        )
+        return assembler.StackBuildResult(
+            host_pool_group=group,
+            cache_controller=controller,
+            component_host_pools={ComponentType.FULL: host_pool},
+            pools_desc="KV (sglang_storage)",
+        )
+
+
+def build_host_pool(kv_pool: Any, page_size: int, *, host_size: float | None = None) -> Any:
+    """Our host pool for SGLang's device pool ``kv_pool``, sized as SGLang sizes its own.
+
+    Raises:
+        ConfigError: ``kv_pool`` is not a plain MHA/MLA pool, or the layout is not ours.
+        CapacityError: the host cannot hold the pool.
+    """
+    from sglang.srt.runtime_context import get_memory
+
+    cls: Any = _host_pool_class(kv_pool)
+    if cls is None:
+        raise ConfigError(
+            owner=_OWNER,
+            field="device KV pool",
+            value=type(kv_pool).__name__,
+            reason="has no sglang_storage host pool",
+            allowed="MHATokenToKVPool, MLATokenToKVPool",
+        )
+    memory = get_memory()
+    capacity = (
+        kv_pool.size if kv_pool.host_capacity_tokens is None else kv_pool.host_capacity_tokens
+    )
+    common: dict[str, Any] = {
+        "pin_memory": False,  # our host memory pins (cudaHostRegister) where CUDA exists
+        "device": "cpu",
+        "allocator_type": "default",
+        "device_capacity_tokens": capacity,
+        "start_layer": kv_pool.start_layer,
+        "end_layer": kv_pool.end_layer,
+        "draft_buffer_infos": (),
+        "pool_label": "kv",
+    }
+    info = kv_pool.get_device_pool_infos()[0].buffer_info
+    size = memory.hicache_size if host_size is None else host_size
+    if cls is StorageMLAHostPool:
+        common.update(
+            override_kv_cache_dim=kv_pool.kv_cache_dim,
+            layer_shard_enabled=kv_pool.layer_shard_enabled,
+            target_layer_num=kv_pool.layer_num,
+        )
+    else:
+        common["write_back_staging"] = None
+    try:
+        return cls(info, memory.hicache_ratio, size, page_size, memory.hicache_mem_layout, **common)
+    except StorageError:
+        raise
+    except ValueError as error:
+        raise ConfigError(
+            owner=_OWNER, field="KV host pool", reason=f"SGLang refused it: {error}"
+        ) from None
+
+
+_STRATEGY: StorageStackStrategy | None = None
+
+
+def install() -> None:
+    """Put :class:`StorageStackStrategy` first in SGLang's strategies (once per process).
+
+    Harmless without ``--storage-*`` flags: the strategy then matches nothing.
+    """
+    global _STRATEGY
+    if _STRATEGY is None:
+        _STRATEGY = StorageStackStrategy()
+    if _STRATEGY not in assembler._STRATEGIES:
+        assembler.register_stack_strategy(_STRATEGY)

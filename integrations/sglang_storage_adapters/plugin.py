@@ -1,0 +1,60 @@
+"""The ``sglang.srt.plugins`` entry point: installs every sglang_storage adapter in a process.
+
+SGLang 0.5.23 calls :func:`register` (through ``load_plugins()``) at the start of every
+scheduler process, the engine, the detokenizer, the DP controller and ``launch_server``;
+it is registered in ``pyproject.toml`` as::
+
+    [project.entry-points."sglang.srt.plugins"]
+    sglang_storage = "sglang_storage_adapters.plugin:register"
+
+Each adapter contributes one installer to :data:`INSTALLERS` as ``"module:function"``; an
+installer is imported and called once per process and must leave SGLang's behaviour
+unchanged unless :func:`~.runtime.runtime_settings` says its manager is on (it is called
+before the server arguments exist, so it registers something that decides later, e.g. a
+stack strategy whose ``matches`` reads the settings, or a HookRegistry replacement whose
+constructor does). An installer that fails is logged and skipped; the others still run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Final
+
+__all__ = ["INSTALLERS", "installed", "register"]
+
+log = logging.getLogger(__name__)
+
+INSTALLERS: Final[tuple[str, ...]] = (
+    # HiCache controller + KV host pool: a stack strategy (register_stack_strategy).
+    "sglang_storage_adapters.hicache_controller:install",
+    # Decode-side KV offload: HookRegistry class REPLACE of DecodeKVCacheOffloadManager.
+    "sglang_storage_adapters.decode:install",
+    # HiSparse coordinator: HookRegistry class REPLACE of HiSparseCoordinator.
+    "sglang_storage_adapters.sparse:install",
+    # Encoder embedding caches: HookRegistry AROUND on EmbeddingStoreFactory.create_backend,
+    # class REPLACE of EmbeddingCacheController and MultiModalStaticCache (+ patch 0005).
+    "sglang_storage_adapters.embedding:install",
+)
+"""Every adapter's installer, ``"module:function"``; append yours here."""
+
+_done: list[str] = []
+
+
+def installed() -> tuple[str, ...]:
+    """The installers that ran in this process without failing."""
+    return tuple(_done)
+
+
+def register() -> None:
+    """Run every installer of :data:`INSTALLERS` not yet run in this process."""
+    for spec in INSTALLERS:
+        if spec in _done:
+            continue
+        module_name, _, function = spec.partition(":")
+        try:
+            getattr(importlib.import_module(module_name), function)()
+        except Exception:  # a broken adapter must not stop SGLang or the other adapters
+            log.exception("sglang_storage: installer %s failed; that adapter is off", spec)
+            continue
+        _done.append(spec)

@@ -1,0 +1,470 @@
+"""SGLang 0.5.23's own UnifiedRadixCache drives our HiCache controller and KV host pool.
+
+A real ``UnifiedRadixCache`` (Python tree core, one FULL component) with SGLang's CPU
+device pool and paged allocator runs ``init_hicache`` with the ``--storage-*`` settings
+(SGLang's ``dynamic`` backend naming our file backend). The plug-in's stack strategy then
+builds our host pool and controller, and every step below is the tree's own call sequence:
+insert (write-through backup, ack through ``writing_check``), ``write_backup_storage`` and
+the storage ack drain, device eviction, ``load_back`` / ``ready_to_load_host_cache`` /
+``loading_check``, ``evict_host``, ``query_storage_hit_length``, ``prefetch_from_storage``
+with each stop policy and ``check_prefetch_progress``, and the admin ``detach`` / ``attach``
+of the storage backend. KV read back (from host, and from storage into a fresh tree) must
+be byte-identical to what was written.
+
+SGLang's own controller cannot run these steps on CPU (its host pool registers memory
+with CUDA and its copies need ``sgl_kernel``); ours copies with the ``torch`` I/O backend.
+The CUDA variant (``gpu``) runs the same round trip with the device pool on CUDA, where
+our pipeline copies on its own streams and the acknowledgements are CUDA events.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.sglang
+
+PAGE, LAYERS, TOKENS = 4, 2, 16
+SEQ = list(range(100, 100 + TOKENS))
+LIVE: list[Tree] = []
+"""Trees built by the running test."""
+
+
+@pytest.fixture(scope="module")
+def single_rank() -> Iterator[None]:
+    """SGLang's one-rank topology, and our plug-in installed (as ``load_plugins`` does)."""
+    from sglang.srt.runtime_context import get_parallel, reset_context
+    from sglang_storage_adapters import plugin
+
+    plugin.register()
+    override = get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    override.__enter__()
+    yield
+    override.__exit__(None, None, None)
+    reset_context()  # unpublish the server args for whatever this worker runs next
+
+
+@pytest.fixture(autouse=True)
+def detach_trees() -> Iterator[None]:
+    """Detach every tree's storage after the test (stops SGLang's threads and our pipeline)."""
+    yield
+    while LIVE:
+        cache = LIVE.pop().cache
+        if cache.cache_controller is not None and cache.cache_controller.enable_storage:
+            ok, message = cache.detach_storage_backend()
+            assert ok, message
+
+
+def server_args(
+    root: Path,
+    *,
+    policy: str = "wait_complete",
+    layout: str = "page_first",
+    faults: dict[str, float] | None = None,
+    timeout_base_s: float | None = None,
+) -> Any:
+    """ServerArgs as ``--storage-backend file`` leaves them (flags.hicache_settings).
+
+    With ``faults``, the backend is ``faulty`` (our fault injector) around that file
+    backend, with that fault schedule.
+    """
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang_storage_adapters.flags import StorageFlags, hicache_settings
+
+    options: dict[str, object] = {"root": str(root)}
+    if faults is None:
+        flags = StorageFlags(backend="file", backend_options=options)
+    else:
+        faulty = {"inner": "file", "inner_options": options, "seed": 7, **faults}
+        flags = StorageFlags(backend="faulty", backend_options=faulty)
+    settings = hicache_settings(flags)
+    extra = json.loads(str(settings.pop("hicache_storage_backend_extra_config")))
+    extra["prefetch_threshold"] = PAGE
+    if timeout_base_s is not None:  # the timeout policy's deadline: base + 0 per 1K tokens
+        extra.update(prefetch_timeout_base=timeout_base_s, prefetch_timeout_per_ki_token=0.0)
+    args = ServerArgs(
+        model_path="dummy",
+        page_size=PAGE,
+        hicache_mem_layout=layout,
+        hicache_write_policy="write_through",
+        hicache_storage_prefetch_policy=policy,
+        hicache_storage_backend_extra_config=json.dumps(extra),
+        **settings,
+    )
+    set_global_server_args_for_scheduler(args)
+    return args
+
+
+class Tree:
+    """One UnifiedRadixCache with HiCache, its device pool and allocator."""
+
+    def __init__(self, args: Any, device: str = "cpu", *, mla: bool = False) -> None:
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import (
+            MHATokenToKVPool,
+            MLATokenToKVPool,
+            ReqToTokenPool,
+        )
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        self.kv: Any
+        if mla:
+            self.kv = MLATokenToKVPool(
+                size=64,
+                page_size=PAGE,
+                dtype=torch.bfloat16,
+                kv_lora_rank=32,
+                qk_rope_head_dim=16,
+                layer_num=LAYERS,
+                device=device,
+                enable_memory_saver=False,
+            )
+        else:
+            self.kv = MHATokenToKVPool(
+                size=64,
+                page_size=PAGE,
+                dtype=torch.bfloat16,
+                head_num=2,
+                head_dim=16,
+                layer_num=LAYERS,
+                device=device,
+                enable_memory_saver=False,
+                kv_cache_layout="nhd",
+            )
+        self.planes = [self.kv.kv_buffer] if mla else [self.kv.k_buffer, self.kv.v_buffer]
+        self.alloc = PagedTokenToKVPoolAllocator(
+            size=64,
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            device=device,
+            kvcache=self.kv,
+            need_sort=False,
+        )
+        req_pool = ReqToTokenPool(
+            size=4, max_context_len=128, device=device, enable_memory_saver=False
+        )
+        params = CacheInitParams(
+            req_to_token_pool=req_pool,
+            token_to_kv_pool_allocator=self.alloc,
+            page_size=PAGE,
+            disable=False,
+            tree_components=(ComponentType.FULL,),
+        )
+        self.cache = UnifiedRadixCache(params=params)
+        self.cache.init_hicache(args, params)
+        atexit.unregister(self.cache.shutdown)
+        LIVE.append(self)
+
+    def key(self, tokens: list[int]) -> Any:
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return RadixKey(array("q", tokens))
+
+    def match(self, tokens: list[int]) -> Any:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        return self.cache.match_prefix(MatchPrefixParams(key=self.key(tokens)))
+
+    def snapshot(self, indices: torch.Tensor) -> torch.Tensor:
+        """Every layer's K and V rows at ``indices``, as raw bits on the CPU."""
+        rows = [
+            torch.stack([plane[layer][indices] for plane in self.planes]) for layer in range(LAYERS)
+        ]
+        return torch.stack(rows).view(torch.int16).cpu()
+
+    def insert_random(self, tokens: list[int], seed: int) -> torch.Tensor:
+        """Insert ``tokens`` with random KV on device; return their KV bits."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        value = self.alloc.alloc(len(tokens))
+        assert value is not None
+        generator = torch.Generator().manual_seed(seed)
+        for layer in range(LAYERS):
+            for buffer in (plane[layer] for plane in self.planes):
+                shape = buffer[value].shape
+                data = torch.randn(shape, generator=generator).to(buffer.dtype)
+                buffer[value] = data.to(buffer.device)
+        want = self.snapshot(value)
+        self.cache.insert(InsertParams(key=self.key(tokens), value=value.to(torch.int64)))
+        return want
+
+    def backup_to_storage(self, tokens: list[int]) -> None:
+        """Host copy acknowledged, then backed up to storage and the storage ack drained."""
+        leaf = self.match(tokens).last_device_node
+        # write_through: the insert wrote the node to host; the ack lands on writing_check.
+        self.cache.writing_check(write_back=True)
+        assert self.cache.tree_core.is_backuped(leaf)
+        self.cache.write_backup_storage(leaf)
+        drain(self.cache, lambda: not self.cache.ongoing_backup)
+
+    def load_back(self, tokens: list[int]) -> torch.Tensor:
+        """Load the host part of ``tokens``' match to device; return the loaded KV bits."""
+        node = self.match(tokens).last_host_node
+        assert self.cache.load_back(node)
+        assert self.cache.ready_to_load_host_cache() != -1
+        self.cache.loading_check()
+        match = self.match(tokens)
+        return self.snapshot(self.cache.path_device_indices(match.last_device_node))
+
+    def host_available(self) -> int:
+        return int(self.cache.cache_controller.mem_pool_host.available_size())
+
+
+def drain(cache: Any, done: Any, timeout_s: float = 10.0) -> None:
+    """Run the scheduler's event round until ``done()`` (bounded)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "HiCache did not finish in time"
+        cache.check_hicache_events()
+        cache.drain_storage_control_queues()
+        time.sleep(0.005)
+
+
+def prefetch(tree: Tree, rid: str) -> int:
+    """Prefetch SEQ from storage the way the scheduler does; return tokens now on host."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    cache = tree.cache
+    request = CacheRequestHandle(rid, 0)
+    cache.prefetch_from_storage(request, cache.root_node_handle(), array("q", SEQ), None, None)
+    drain(cache, lambda: cache.check_prefetch_progress(request))
+    return int(cache.pop_prefetch_loaded_tokens(request))
+
+
+def test_plugin_builds_our_stack_behind_sglangs_contract(tmp_path: Path, single_rank: None) -> None:
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang_storage_adapters.hicache_controller import (
+        PipelineTransferEngine,
+        StorageCacheController,
+        StorageMHAHostPool,
+    )
+    from sglang_storage_adapters.hicache_storage import HiCacheBackend
+
+    from sglang_storage.memory import KVHostPool
+
+    tree = Tree(server_args(tmp_path))
+    controller = tree.cache.cache_controller
+    assert type(controller) is StorageCacheController
+    assert isinstance(controller, HybridCacheController)  # every isinstance check holds
+    host = controller.mem_pool_host.anchor_entry.host_pool
+    assert isinstance(host, StorageMHAHostPool)
+    assert isinstance(host.storage_pool, KVHostPool)
+    assert host.kv_buffer.data_ptr() == host.storage_pool.kv_buffer.data_ptr()
+    assert isinstance(controller.l2_transfer_engine, PipelineTransferEngine)
+    assert controller.device_pipeline.io_backend == "torch"
+    assert isinstance(controller.storage_backend, HiCacheBackend)
+    assert controller.enable_storage
+    # The surface UnifiedRadixCache and the scheduler use (map section 2.4).
+    for name in (
+        "write", "start_writing", "load", "start_loading", "write_storage", "submit_prefetch",
+        "get_prefetch_submission", "terminate_prefetch", "prefetch_rate_limited",
+        "append_host_mem_release", "register_host_pool_entry", "reset", "release_pp_prefetch",
+        "is_pp_prefetch_ready", "take_ready_pp_prefetch", "trim_prefetch_full_head",
+        "allocate_host_transfers", "_storage_hit_query", "_move_write_operation",
+        "_move_op_indices", "_l2_transfers", "_l2_load_transfers", "_resolve_device_transfers",
+        "mem_pool_host", "write_policy", "prefetch_tokens_occupied", "layer_done_counter",
+        "transfer_layer_id_max", "host_write_staged_tokens_fn", "ack_write_queue",
+        "ack_load_queue", "prefetch_hit_queue", "ack_prefetch_queue", "ack_backup_queue",
+        "host_mem_release_queue", "extra_host_mem_release_queues", "pp_prefetch_decisions",
+    ):  # fmt: skip
+        assert hasattr(controller, name), name
+
+
+@pytest.mark.parametrize(
+    ("layout", "mla"),
+    [("page_first", False), ("layer_first", False), ("page_first_direct", True)],
+    ids=["mha-page_first", "mha-layer_first", "mla-page_first_direct"],
+)
+def test_backup_evict_load_back_and_host_release(
+    tmp_path: Path, single_rank: None, layout: str, mla: bool
+) -> None:
+    tree = Tree(server_args(tmp_path, layout=layout), mla=mla)
+    full = tree.host_available()
+    want = tree.insert_random(SEQ, seed=1)
+    tree.backup_to_storage(SEQ)
+    assert tree.host_available() == full - TOKENS
+    # The storage backup ran on our pipeline, not SGLang's backup thread.
+    transfers = tree.cache.cache_controller.storage_transfers
+    assert transfers is not None
+    assert transfers.in_flight == 0
+    puts = transfers.pipeline.metrics().put
+    assert puts.pages >= TOKENS // PAGE  # the tree's own write-through and ours
+    assert puts.failed == 0
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    assert tree.cache.evict(EvictParams(num_tokens=TOKENS)).num_tokens_evicted == TOKENS
+    match = tree.match(SEQ)
+    assert match.device_prefix_len == 0
+    assert match.host_hit_length == TOKENS
+    assert torch.equal(tree.load_back(SEQ), want)  # host -> device, byte-identical
+    assert tree.match(SEQ).device_prefix_len == TOKENS
+
+    # Host release: once off the device again, the host copy (stored below) is dropped
+    # and its pages go back to our host pool.
+    assert tree.cache.evict(EvictParams(num_tokens=TOKENS)).num_tokens_evicted == TOKENS
+    assert tree.cache.evict_host(TOKENS) == TOKENS
+    assert tree.host_available() == full
+    assert tree.match(SEQ).host_hit_length == 0
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout", "best_effort"])
+def test_storage_hit_and_prefetch_under_each_stop_policy(
+    tmp_path: Path, single_rank: None, policy: str
+) -> None:
+    producer = Tree(server_args(tmp_path))
+    want = producer.insert_random(SEQ, seed=2)
+    producer.backup_to_storage(SEQ)
+
+    consumer = Tree(server_args(tmp_path, policy=policy))  # a fresh tree, same storage
+    full = consumer.host_available()
+    assert consumer.cache.prefetch_stop_policy == policy
+    root = consumer.cache.root_node_handle()
+    assert consumer.cache.query_storage_hit_length(root, array("q", SEQ)) == TOKENS
+    loaded = prefetch(consumer, f"req-{policy}")
+    # The prefetch read ran on our pipeline (SGLang's I/O thread waited on it).
+    transfers = consumer.cache.cache_controller.storage_transfers
+    assert transfers is not None
+    gets = transfers.pipeline.metrics().get
+    assert gets.pages * PAGE >= loaded
+    assert gets.failed == 0
+    if policy == "best_effort":
+        # Stops at the first progress check: whatever whole pages landed by then.
+        assert 0 <= loaded <= TOKENS
+        assert loaded % PAGE == 0
+    else:
+        assert loaded == TOKENS
+    assert consumer.match(SEQ).host_hit_length == loaded
+    # Host pages of the prefetch not delivered came back through host_mem_release_queue.
+    assert consumer.host_available() == full - loaded
+    if loaded:
+        got = consumer.load_back(SEQ)
+        assert torch.equal(got, want[:, :, :loaded])  # storage -> host -> device
+
+
+@pytest.mark.parametrize("fault", ["bit_flip_rate", "error_rate", "vanish_rate"])
+def test_storage_faults_are_misses_not_wrong_bytes(
+    tmp_path: Path, single_rank: None, fault: str
+) -> None:
+    producer = Tree(server_args(tmp_path))
+    producer.insert_random(SEQ, seed=5)
+    producer.backup_to_storage(SEQ)
+
+    # Every read of the stored pages is corrupt, fails, or finds the page gone.
+    consumer = Tree(server_args(tmp_path, faults={fault: 1.0}))
+    full = consumer.host_available()
+    assert prefetch(consumer, f"req-{fault}") == 0
+    match = consumer.match(SEQ)
+    assert match.host_hit_length == 0
+    assert match.device_prefix_len == 0
+    assert consumer.host_available() == full  # the prefetch's host pages came back
+
+
+def test_storage_detach_and_attach(tmp_path: Path, single_rank: None) -> None:
+    args = server_args(tmp_path)
+    tree = Tree(args)
+    tree.insert_random(SEQ, seed=3)
+    tree.backup_to_storage(SEQ)
+    cache, root = tree.cache, tree.cache.root_node_handle()
+
+    ok, message = cache.detach_storage_backend()
+    assert ok, message
+    assert not cache.cache_controller.enable_storage
+    assert cache.cache_controller.storage_backend is None
+    assert cache.query_storage_hit_length(root, array("q", SEQ)) == 0
+
+    ok, message = cache.attach_storage_backend(
+        "dynamic", storage_backend_extra_config_json=args.hicache_storage_backend_extra_config
+    )
+    assert ok, message
+    assert cache.cache_controller.enable_storage
+    # The pages stored before the detach are found again through the new backend.
+    assert cache.query_storage_hit_length(root, array("q", SEQ)) == TOKENS
+
+
+@pytest.mark.gpu
+def test_round_trip_with_cuda_device_pool(tmp_path: Path, single_rank: None) -> None:
+    # Needs CUDA at: the device pool on CUDA, our pipeline's CUDA copies (its streams and
+    # events) behind write/load, and the ack events the tree polls.
+    tree = Tree(server_args(tmp_path), device="cuda")
+    assert tree.cache.cache_controller.device_pipeline.device.type == "cuda"
+    want = tree.insert_random(SEQ, seed=4)
+    tree.backup_to_storage(SEQ)
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    tree.cache.evict(EvictParams(num_tokens=TOKENS))
+    torch.cuda.synchronize()
+    assert torch.equal(tree.load_back(SEQ), want)
+    consumer = Tree(server_args(tmp_path), device="cuda")
+    assert prefetch(consumer, "req-gpu") == TOKENS
+    assert torch.equal(consumer.load_back(SEQ), want)
+
+
+def test_host_pool_refuses_bad_frees(tmp_path: Path, single_rank: None) -> None:
+    from sglang_storage.errors import ConfigError, StateError
+
+    tree = Tree(server_args(tmp_path))
+    host = tree.cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+    tokens = host.alloc(2 * PAGE)
+    assert tokens is not None
+    rows = tokens.view(-1, PAGE)  # whole pages: PAGE consecutive token slots each
+    assert torch.equal(rows, rows[:, :1] + torch.arange(PAGE))
+    assert bool((rows[:, 0] % PAGE == 0).all())
+    with pytest.raises(ConfigError, match="whole pages"):
+        host.free(tokens[1 : PAGE + 1])  # not page aligned
+    assert host.free(tokens) == 2 * PAGE
+    with pytest.raises(StateError):
+        host.free(tokens)  # double free
+    assert host.alloc(host.available_size() + PAGE) is None  # short: None, as SGLang's
+
+
+def test_reset_frees_the_host_pool_and_keeps_storage_working(
+    tmp_path: Path, single_rank: None
+) -> None:
+    tree = Tree(server_args(tmp_path))
+    full = tree.host_available()
+    tree.insert_random(SEQ, seed=6)
+    tree.backup_to_storage(SEQ)
+    tree.cache.reset()  # the scheduler's flush_cache
+    assert tree.host_available() == full
+    assert tree.match(SEQ).host_hit_length == 0
+    # Storage survives the reset, and the controller keeps serving the tree.
+    root = tree.cache.root_node_handle()
+    assert tree.cache.query_storage_hit_length(root, array("q", SEQ)) == TOKENS
+    assert prefetch(tree, "req-after-reset") == TOKENS
+
+
+@pytest.mark.parametrize("policy", ["timeout", "wait_complete"])
+def test_slow_storage_timeout_gives_up_and_wait_complete_waits(
+    tmp_path: Path, single_rank: None, policy: str
+) -> None:
+    producer = Tree(server_args(tmp_path))
+    want = producer.insert_random(SEQ, seed=7)
+    producer.backup_to_storage(SEQ)
+
+    # Every storage call takes 0.3 s; the timeout policy's deadline is 0.05 s.
+    slow = {"latency_rate": 1.0, "latency_s": 0.3}
+    args = server_args(tmp_path, policy=policy, faults=slow, timeout_base_s=0.05)
+    consumer = Tree(args)
+    full = consumer.host_available()
+    loaded = prefetch(consumer, f"req-slow-{policy}")
+    if policy == "timeout":
+        assert loaded < TOKENS
+    else:
+        assert loaded == TOKENS
+    assert consumer.match(SEQ).host_hit_length == loaded
+    drain(consumer.cache, lambda: consumer.host_available() == full - loaded)
+    if loaded:
+        assert torch.equal(consumer.load_back(SEQ), want[:, :, :loaded])
