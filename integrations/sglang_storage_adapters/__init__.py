@@ -14,7 +14,7 @@ This is the only package that imports ``sglang``. Its modules:
 - :mod:`.decode` - ``DecodeKVCacheOffloadManager`` on our decode offload manager.
 - :mod:`.sparse` - the HiSparse coordinator on our sparse KV manager.
 - :mod:`.embedding` - the encoder embedding cache controller, its store and the static
-  multimodal cache on our embedding manager (also installed by patch ``0005`` in
+  multimodal cache on our embedding manager (also installed by patch ``0003`` in
   encoder ranks, which never load plug-ins).
 - :mod:`.bench_baselines` - SGLang's ``HiCacheFile`` as a ``sglang-storage bench``
   baseline (``--compare sglang-file``).

@@ -28,7 +28,7 @@ This module keeps both call contracts and puts our
   tier holds is loaded back instead of re-encoded.
 - :func:`install` - the seams: a HookRegistry AROUND hook on
   ``EmbeddingStoreFactory.create_backend`` and class REPLACE of the two caches (map 6.2).
-  :mod:`.plugin` (the ``sglang.srt.plugins`` entry point) calls it; patch 0005 calls it in every
+  :mod:`.plugin` (the ``sglang.srt.plugins`` entry point) calls it; patch 0003 calls it in every
   ``MMEncoder`` (spawned encoder TP ranks and DP workers never load plug-ins).
 
 Switching on: :func:`embedding_settings` - SGLang's ``ServerArgs`` carry the ``--storage-*``
@@ -286,7 +286,7 @@ class StorageEmbeddingStore(_store_module.EmbeddingStore):  # type: ignore[misc]
             reason=(
                 "the sglang_storage embedding store is driven by the sglang_storage "
                 "EmbeddingCacheController; SGLang's own controller cannot use it (this "
-                "process constructed SGLang's controller: is patches/sglang-0.5.23/0005 applied?)"
+                "process constructed SGLang's controller: is patches/sglang-0.5.23/0003 applied?)"
             ),
         )
 

@@ -33,7 +33,7 @@ INSTALLERS: Final[tuple[str, ...]] = (
     # HiSparse coordinator: HookRegistry class REPLACE of HiSparseCoordinator.
     "sglang_storage_adapters.sparse:install",
     # Encoder embedding caches: HookRegistry AROUND on EmbeddingStoreFactory.create_backend,
-    # class REPLACE of EmbeddingCacheController and MultiModalStaticCache (+ patch 0005).
+    # class REPLACE of EmbeddingCacheController and MultiModalStaticCache (+ patch 0003).
     "sglang_storage_adapters.embedding:install",
 )
 """Every adapter's installer, ``"module:function"``; append yours here."""

@@ -366,7 +366,7 @@ def test_storage_misses_and_corrupt_objects_fall_back_to_the_encoder(
 def test_the_store_refuses_sglang_s_pointer_interface(settings: EmbeddingSettings) -> None:
     store = StorageEmbeddingStore(settings)
     try:
-        with pytest.raises(StateError, match="0005"):
+        with pytest.raises(StateError, match="0003"):
             store.batch_get_into_multi_buffers(["a"], [[0]], [[1]])
         assert store.batch_is_exist(["a"]) == [False]  # no pool registered a namespace
     finally:
@@ -582,12 +582,12 @@ def test_install_switches_only_with_the_flags_and_a_second_process_reads(
     assert all(same_bytes(r, rows(h, n)) for r, h, n in zip(read, hashes, tokens, strict=True))
 
 
-# ---------------------------------------------------------------------- patch 0005
+# ---------------------------------------------------------------------- patch 0003
 
 
-def test_patch_0005_wires_install_into_every_mm_encoder(tmp_path: Path) -> None:
+def test_patch_0003_wires_install_into_every_mm_encoder(tmp_path: Path) -> None:
     patch = next(
-        p for p in load_patches(ROOT / "patches" / "sglang-0.5.23") if p.name.startswith("0005-")
+        p for p in load_patches(ROOT / "patches" / "sglang-0.5.23") if p.name.startswith("0003-")
     )
     target = "srt/disaggregation/encoder/server.py"
     assert [section.path for section in patch.files] == [target]
