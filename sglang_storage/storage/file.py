@@ -89,10 +89,11 @@ from sglang_storage.storage.fsck import (
     PayloadHasher,
     RepairAction,
     RepairResult,
-    entry_size,
     foreign,
     inspect_header,
     inspect_object,
+    namespace_dirs,
+    quarantined,
     remove_orphan,
     scan_temp_dir,
     sorted_entries,
@@ -574,37 +575,16 @@ class FileBackend:
             elif entry.name == "tmp" and entry.is_dir(follow_symlinks=False):
                 yield from scan_temp_dir(self._tmp_dir)
             elif entry.name == "quarantine" and entry.is_dir(follow_symlinks=False):
-                for item in sorted_entries(self._quarantine_dir):
-                    yield ObjectReport(
-                        state=ObjectState.QUARANTINED,
-                        location=item.path,
-                        nbytes=entry_size(item),
-                        reason="moved aside after a failed check",
-                    )
+                yield from quarantined(self._quarantine_dir, "moved aside after a failed check")
             else:
                 yield foreign(entry, "not part of a file store")
 
     def _scan_objects(self, *, payloads: bool, model: str | None) -> Iterator[ObjectReport]:
-        for model_dir in sorted_entries(self._objects_dir):
-            if not model_dir.is_dir(follow_symlinks=False):
-                yield foreign(model_dir, "a file where model directories belong")
-                continue
-            for kind_dir in sorted_entries(Path(model_dir.path)):
-                if not kind_dir.is_dir(follow_symlinks=False):
-                    yield foreign(kind_dir, "a file where data kind directories belong")
-                    continue
-                for shard_dir in sorted_entries(Path(kind_dir.path)):
-                    namespace = (
-                        namespace_of(model_dir.name, kind_dir.name, shard_dir.name)
-                        if shard_dir.is_dir(follow_symlinks=False)
-                        else None
-                    )
-                    if namespace is None or namespace.shard.label != shard_dir.name:
-                        yield foreign(shard_dir, "does not name a namespace (model/kind/shard)")
-                        continue
-                    yield from self._scan_namespace(
-                        namespace, Path(shard_dir.path), payloads=payloads, model=model
-                    )
+        for found in namespace_dirs(self._objects_dir):
+            if isinstance(found, ObjectReport):
+                yield found
+            else:
+                yield from self._scan_namespace(*found, payloads=payloads, model=model)
 
     def _scan_namespace(
         self, namespace: Namespace, directory: Path, *, payloads: bool, model: str | None

@@ -34,7 +34,7 @@ import attrs
 import xxhash
 
 from sglang_storage.config import instance_of, optional
-from sglang_storage.core import DataKind, ObjectKey
+from sglang_storage.core import DataKind, Namespace, ObjectKey
 from sglang_storage.errors import CorruptObjectError
 from sglang_storage.storage.format import (
     FORMAT_VERSION,
@@ -43,7 +43,7 @@ from sglang_storage.storage.format import (
     ObjectHeader,
     decode_header,
 )
-from sglang_storage.storage.posix import process_alive
+from sglang_storage.storage.posix import namespace_of, process_alive
 
 __all__ = [
     "HeaderCheck",
@@ -58,6 +58,8 @@ __all__ = [
     "foreign",
     "inspect_header",
     "inspect_object",
+    "namespace_dirs",
+    "quarantined",
     "remove_orphan",
     "scan_temp_dir",
     "sorted_entries",
@@ -359,6 +361,43 @@ def foreign(entry: os.DirEntry[str], reason: str) -> ObjectReport:
         nbytes=entry_size(entry),
         reason=f"{what} not written by sglang-storage: {reason}",
     )
+
+
+def namespace_dirs(root: Path) -> Iterator[ObjectReport | tuple[Namespace, Path]]:
+    """Walk ``root``'s ``model/kind/shard`` directories, as file and hf3fs lay them out.
+
+    Yields each namespace directory with its namespace, and a foreign report for anything
+    else found at those three levels.
+    """
+    for model_dir in sorted_entries(root):
+        if not model_dir.is_dir(follow_symlinks=False):
+            yield foreign(model_dir, "a file where model directories belong")
+            continue
+        for kind_dir in sorted_entries(Path(model_dir.path)):
+            if not kind_dir.is_dir(follow_symlinks=False):
+                yield foreign(kind_dir, "a file where data kind directories belong")
+                continue
+            for shard_dir in sorted_entries(Path(kind_dir.path)):
+                namespace = (
+                    namespace_of(model_dir.name, kind_dir.name, shard_dir.name)
+                    if shard_dir.is_dir(follow_symlinks=False)
+                    else None
+                )
+                if namespace is None or namespace.shard.label != shard_dir.name:
+                    yield foreign(shard_dir, "does not name a namespace (model/kind/shard)")
+                    continue
+                yield namespace, Path(shard_dir.path)
+
+
+def quarantined(directory: Path, reason: str) -> Iterator[ObjectReport]:
+    """A report for each item a backend moved aside into ``directory``."""
+    for item in sorted_entries(directory):
+        yield ObjectReport(
+            state=ObjectState.QUARANTINED,
+            location=item.path,
+            nbytes=entry_size(item),
+            reason=reason,
+        )
 
 
 def _writer_pid(name: str) -> int | None:

@@ -141,6 +141,8 @@ from sglang_storage.storage.fsck import (
     foreign,
     inspect_header,
     inspect_object,
+    namespace_dirs,
+    quarantined,
     remove_orphan,
     scan_temp_dir,
     sorted_entries,
@@ -1294,49 +1296,33 @@ class Hf3fsBackend:
             elif name == "tmp" and is_dir:
                 yield from scan_temp_dir(self._tmp_dir)
             elif name == "quarantine" and is_dir:
-                for item in sorted_entries(self._quarantine_dir):
-                    yield ObjectReport(
-                        state=ObjectState.QUARANTINED,
-                        location=item.path,
-                        nbytes=entry_size(item),
-                        reason="a slot copied aside after a failed check",
-                    )
+                yield from quarantined(
+                    self._quarantine_dir, "a slot copied aside after a failed check"
+                )
             else:
                 yield foreign(entry, "not part of an hf3fs store")
 
     def _scan_classes(self, *, payloads: bool, model: str | None) -> Iterator[ObjectReport]:
-        for model_dir in sorted_entries(self._classes_dir):
-            if not model_dir.is_dir(follow_symlinks=False):
-                yield foreign(model_dir, "a file where model directories belong")
+        for found in namespace_dirs(self._classes_dir):
+            if isinstance(found, ObjectReport):
+                yield found
                 continue
-            for kind_dir in sorted_entries(Path(model_dir.path)):
-                if not kind_dir.is_dir(follow_symlinks=False):
-                    yield foreign(kind_dir, "a file where data kind directories belong")
-                    continue
-                for shard_dir in sorted_entries(Path(kind_dir.path)):
-                    namespace = (
-                        namespace_of(model_dir.name, kind_dir.name, shard_dir.name)
-                        if shard_dir.is_dir(follow_symlinks=False)
-                        else None
+            namespace, directory = found
+            classes = self._classes_of(namespace)
+            for class_dir in sorted_entries(directory):
+                size = _slot_size_of(class_dir.name)
+                cls = classes.get(size) if size is not None else None
+                if not class_dir.is_dir(follow_symlinks=False) or size is None:
+                    yield foreign(class_dir, "not a slot class directory (s<size>)")
+                elif cls is None:
+                    yield ObjectReport(
+                        state=ObjectState.CORRUPT,
+                        location=class_dir.path,
+                        nbytes=entry_size(class_dir),
+                        reason=f"slot class without a usable {_CLASS_FILE}",
                     )
-                    if namespace is None or namespace.shard.label != shard_dir.name:
-                        yield foreign(shard_dir, "does not name a namespace (model/kind/shard)")
-                        continue
-                    classes = self._classes_of(namespace)
-                    for class_dir in sorted_entries(Path(shard_dir.path)):
-                        size = _slot_size_of(class_dir.name)
-                        cls = classes.get(size) if size is not None else None
-                        if not class_dir.is_dir(follow_symlinks=False) or size is None:
-                            yield foreign(class_dir, "not a slot class directory (s<size>)")
-                        elif cls is None:
-                            yield ObjectReport(
-                                state=ObjectState.CORRUPT,
-                                location=class_dir.path,
-                                nbytes=entry_size(class_dir),
-                                reason=f"slot class without a usable {_CLASS_FILE}",
-                            )
-                        else:
-                            yield from self._scan_class(cls, payloads=payloads, model=model)
+                else:
+                    yield from self._scan_class(cls, payloads=payloads, model=model)
 
     def _scan_class(
         self, cls: _SlotClass, *, payloads: bool, model: str | None
