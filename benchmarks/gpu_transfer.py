@@ -1,0 +1,264 @@
+"""The device<->host pipeline's bandwidth against a plain pinned ``copy_`` of the same bytes.
+
+Run: ``python benchmarks/gpu_transfer.py --out DIR`` (``--pages``, ``--repeats``,
+``--page-kib``, ``--layouts``, ``--require-target``). Needs CUDA; where it is absent it says
+``CUDA not available: skipped`` (and writes that into ``--out``) and exits 0: no numbers are
+made up.
+
+For each layout (``layer_first``, ``page_first``) and page size (64 KiB, 256 KiB, 1 MiB and
+4 MiB by default: the bytes of one KV page, every layer, K and V), one MHA bf16 host pool of
+``--pages`` pages in page-locked memory and a device pool of the same number of pages are
+built, and ``--pages`` pages are moved per transfer, two ways, in both directions:
+
+- ``pipeline``: :class:`~sglang_storage.transfer.device.DeviceHostPipeline` ``offload``
+  (D2H) and ``load`` (H2D, every layer), host and device pages shuffled, waited with the
+  handle's ``wait()``;
+- ``plain``: one ``copy_`` of the same number of bytes between a contiguous pinned host
+  tensor and a contiguous device tensor (the PCIe ceiling).
+
+Each timing is host wall time from a ``torch.cuda.synchronize()`` to the end of the
+transfer (``synchronize`` again), so the pipeline's submission cost is counted. Runs
+alternate pipeline and plain, the first ``--warmup`` rounds are not counted, and rows report
+the medians (GiB/s) and the ratio pipeline / plain of the medians. The issue's target is
+a ratio >= 0.90 for ``page_first`` at pages of 1 MiB and more; ``--require-target`` makes a
+miss exit 1. Writes ``gpu_transfer.json`` and ``gpu_transfer.md`` into ``--out``.
+
+This is a benchmark, not a test: read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sglang_storage.memory import (
+    Attention,
+    BudgetConfig,
+    HostMemory,
+    HostMemoryBudget,
+    KVGeometry,
+    KVHostPool,
+    KVLayout,
+    Pinning,
+)
+from sglang_storage.transfer.device import DeviceHostPipeline
+from sglang_storage.transfer.device_kv import DeviceKV
+
+SKIPPED = "CUDA not available: skipped"
+TARGET_RATIO = 0.90
+TARGET_LAYOUT = "page_first"
+TARGET_MIN_PAGE = 1 << 20
+LAYERS, HEADS, HEAD_DIM = 8, 8, 128
+DTYPE = torch.bfloat16
+ROW_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * 2  # one token: K and V, every layer, bf16
+GIB = float(1 << 30)
+
+
+def geometry(layout: KVLayout, page_bytes: int, pages: int) -> KVGeometry:
+    """An MHA bf16 geometry whose pages hold ``page_bytes`` bytes."""
+    if page_bytes % ROW_BYTES:
+        raise SystemExit(f"page size {page_bytes} B is not a multiple of {ROW_BYTES} B")
+    return KVGeometry(
+        attention=Attention.MHA,
+        layout=layout,
+        dtype=DTYPE,
+        layer_num=LAYERS,
+        page_size=page_bytes // ROW_BYTES,
+        num_pages=pages,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+    )
+
+
+def timed(run: Callable[[], None]) -> float:
+    """Seconds of wall time ``run`` takes, device work included."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def measure(
+    layout: KVLayout, page_bytes: int, pages: int, repeats: int, warmup: int, seed: int
+) -> dict[str, Any]:
+    """One row: medians per direction, pipeline and plain, and their ratios."""
+    g = geometry(layout, page_bytes, pages)
+    total = pages * g.page_bytes
+    memory = HostMemory(
+        HostMemoryBudget(BudgetConfig(total=total + (64 << 20), headroom=0)),
+        pinning=Pinning.ALWAYS,
+    )
+    host = KVHostPool(g, memory)
+    host.alloc(pages)
+    device = DeviceKV.allocate(g, pages * g.page_size, "cuda")
+    for tensor in (*device.k, *(device.v or ())):
+        tensor.view(torch.uint8).random_(0, 256)
+    host.kv_buffer.view(torch.uint8).random_(0, 256)
+    rng = random.Random(seed)
+    host_pages = torch.tensor(rng.sample(range(pages), pages), dtype=torch.int64)
+    device_pages = torch.tensor(rng.sample(range(pages), pages), dtype=torch.int64)
+    tokens = (device_pages.unsqueeze(1) * g.page_size + torch.arange(g.page_size)).flatten()
+    plain_host = torch.empty(total, dtype=torch.uint8).pin_memory()
+    plain_device = torch.empty(total, dtype=torch.uint8, device="cuda")
+    times: dict[str, list[float]] = {k: [] for k in ("d2h", "h2d", "plain_d2h", "plain_h2d")}
+    with DeviceHostPipeline(device, host) as pipe:
+        backend = pipe.io_detail
+
+        def offload() -> None:
+            if not pipe.offload(host_pages, tokens).wait().ok:
+                raise SystemExit("offload failed")
+
+        def load() -> None:
+            handle = pipe.load(host_pages, tokens)
+            if not handle.wait().ok:
+                raise SystemExit("load failed")
+
+        def plain_d2h() -> None:
+            plain_host.copy_(plain_device, non_blocking=True)
+
+        def plain_h2d() -> None:
+            plain_device.copy_(plain_host, non_blocking=True)
+
+        runs: dict[str, Callable[[], None]] = {
+            "d2h": offload,
+            "plain_d2h": plain_d2h,
+            "h2d": load,
+            "plain_h2d": plain_h2d,
+        }
+        order = list(runs)
+        for round_ in range(warmup + repeats):
+            for name in order if round_ % 2 == 0 else reversed(order):
+                seconds = timed(runs[name])
+                if round_ >= warmup:
+                    times[name].append(seconds)
+    host.close()
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    row: dict[str, Any] = {
+        "layout": layout.value,
+        "page_bytes": g.page_bytes,
+        "page_tokens": g.page_size,
+        "pages": pages,
+        "transfer_bytes": total,
+        "io_backend": backend,
+    }
+    for direction in ("d2h", "h2d"):
+        ours = total / medians[direction] / GIB
+        plain = total / medians[f"plain_{direction}"] / GIB
+        row[f"{direction}_gib_s"] = round(ours, 3)
+        row[f"plain_{direction}_gib_s"] = round(plain, 3)
+        row[f"{direction}_ratio"] = round(ours / plain, 4)
+    row["target_applies"] = layout.value == TARGET_LAYOUT and g.page_bytes >= TARGET_MIN_PAGE
+    row["target_met"] = (
+        min(row["d2h_ratio"], row["h2d_ratio"]) >= TARGET_RATIO if row["target_applies"] else None
+    )
+    return row
+
+
+def markdown(rows: Sequence[dict[str, Any]], facts: dict[str, Any]) -> str:
+    """The rows as a markdown table, with the target verdict."""
+    lines = [
+        "# Device<->host pipeline vs plain pinned copy_",
+        "",
+        f"{facts['device']}, torch {facts['torch']}, CUDA {facts['cuda']}; "
+        f"I/O backend: {rows[0]['io_backend'] if rows else '-'}",
+        "",
+        "| layout | page | pages | D2H ours | D2H plain | D2H ratio "
+        "| H2D ours | H2D plain | H2D ratio | target (>= 90%) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        verdict = "n/a" if r["target_met"] is None else ("met" if r["target_met"] else "MISSED")
+        lines.append(
+            f"| {r['layout']} | {r['page_bytes'] >> 10} KiB | {r['pages']} "
+            f"| {r['d2h_gib_s']:.1f} | {r['plain_d2h_gib_s']:.1f} | {r['d2h_ratio']:.1%} "
+            f"| {r['h2d_gib_s']:.1f} | {r['plain_h2d_gib_s']:.1f} | {r['h2d_ratio']:.1%} "
+            f"| {verdict} |"
+        )
+    lines += ["", "Bandwidths in GiB/s (medians); ratio = ours / plain."]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path | None, report: dict[str, Any], table: str) -> None:
+    """Write the JSON report and the markdown table into ``out`` (when given)."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_transfer.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "gpu_transfer.md").write_text(table)
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=None, help="directory for JSON + markdown")
+    parser.add_argument("--pages", type=int, default=32, help="pages per transfer")
+    parser.add_argument("--repeats", type=int, default=9, help="counted rounds")
+    parser.add_argument("--warmup", type=int, default=2, help="uncounted first rounds")
+    parser.add_argument(
+        "--page-kib", type=int, nargs="+", default=[64, 256, 1024, 4096], help="page sizes"
+    )
+    parser.add_argument(
+        "--layouts", nargs="+", default=["layer_first", "page_first"], help="host layouts"
+    )
+    parser.add_argument(
+        "--require-target", action="store_true", help="exit 1 when the target is missed"
+    )
+    args = parser.parse_args(argv)
+    if args.pages < 1 or args.repeats < 1 or args.warmup < 0:
+        parser.error("--pages and --repeats must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; 0 unless ``--require-target`` and the target was missed."""
+    args = parse(argv)
+    if not torch.cuda.is_available():
+        reason = f"{SKIPPED} (torch {torch.__version__}, CUDA build {torch.version.cuda})"
+        print(reason)  # noqa: T201
+        write(args.out, {"skipped": reason, "rows": []}, f"# GPU transfer benchmark\n\n{reason}\n")
+        return 0
+    facts = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    rows = []
+    for name in args.layouts:
+        for kib in args.page_kib:
+            row = measure(KVLayout(name), kib << 10, args.pages, args.repeats, args.warmup, kib)
+            print(json.dumps(row), flush=True)  # noqa: T201
+            rows.append(row)
+            # Written after every row: a run cut short by a time limit keeps what it measured.
+            write(args.out, {"facts": facts, "partial": True, "rows": rows}, markdown(rows, facts))
+    applicable = [r for r in rows if r["target_applies"]]
+    met = all(r["target_met"] for r in applicable) if applicable else None
+    report = {
+        "facts": facts,
+        "target": {
+            "ratio": TARGET_RATIO,
+            "layout": TARGET_LAYOUT,
+            "min_page_bytes": TARGET_MIN_PAGE,
+            "met": met,
+        },
+        "rows": rows,
+    }
+    table = markdown(rows, facts)
+    verdict = {None: "not measured", True: "met", False: "MISSED"}[met]
+    table += f"\nTarget (page_first, >= 1 MiB pages, both directions >= 90%): {verdict}\n"
+    write(args.out, report, table)
+    print(table)  # noqa: T201
+    return 1 if args.require_target and met is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

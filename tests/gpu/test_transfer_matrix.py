@@ -1,0 +1,262 @@
+"""The device<->host pipeline on CUDA, every layout x attention: what the basic file leaves out.
+
+``test_device_pipeline.py`` checks each layout x attention x dtype x backend byte-exactly, one
+transfer at a time, and the layer waits and concurrency on one layout each. This file adds,
+for every layout x attention (MHA and MLA):
+
+- layer-wise waits: a slow load (a device-side sleep before each layer), each layer read
+  right after ``layer_counter.wait(layer)`` sees exactly the loaded bytes;
+- concurrent offload and load: both in flight together on their own streams (disjoint
+  pages), both byte-exact, results drained in submission order;
+- a round trip: every host page offloaded from shuffled device pages, then loaded into other
+  device pages, in page-locked (UVA) and pageable (staged) host memory.
+
+Marked ``gpu``: skipped with a reason where CUDA is absent. The reference is computed on CPU
+copies with SGLang's layout formulas, as in ``test_device_pipeline.py`` (the helpers are
+repeated here: test modules are not importable from one another).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from sglang_storage.memory import (
+    Attention,
+    BudgetConfig,
+    HostMemory,
+    HostMemoryBudget,
+    KVGeometry,
+    KVHostPool,
+    KVLayout,
+    MemoryFacts,
+    Pinning,
+)
+from sglang_storage.memory.layouts import bits_dtype
+from sglang_storage.transfer.device import DeviceHostPipeline, DeviceTransferConfig
+from sglang_storage.transfer.device_kv import DeviceKV
+from sglang_storage.transfer.io import CopyPlan, IOBackend, TorchIOBackend
+
+pytestmark = pytest.mark.gpu
+
+MHA, MLA = Attention.MHA, Attention.MLA
+COMBOS = [
+    (MHA, KVLayout.LAYER_FIRST),
+    (MHA, KVLayout.PAGE_FIRST),
+    (MHA, KVLayout.PAGE_FIRST_DIRECT),
+    (MHA, KVLayout.PAGE_HEAD),
+    (MLA, KVLayout.LAYER_FIRST),
+    (MLA, KVLayout.PAGE_FIRST),
+    (MLA, KVLayout.PAGE_FIRST_DIRECT),
+]
+COMBO_IDS = [f"{a.value}-{layout.value}" for a, layout in COMBOS]
+LAYERS, PAGE, HOST_PAGES, DEVICE_PAGES, HEADS, DIM, MLA_DIM = 4, 16, 10, 24, 4, 64, 576
+SLEEP_CYCLES = 50_000_000  # about 25 ms at 2 GHz
+
+
+def device_sleep() -> None:
+    """Keep the current stream busy for about 25 ms."""
+    torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+
+
+def make_geometry(attention: Attention, layout: KVLayout) -> KVGeometry:
+    mla = attention is MLA
+    return KVGeometry(
+        attention=attention,
+        layout=layout,
+        dtype=torch.bfloat16,
+        layer_num=LAYERS,
+        page_size=PAGE,
+        num_pages=HOST_PAGES,
+        head_num=1 if mla else HEADS,
+        head_dim=MLA_DIM if mla else DIM,
+    )
+
+
+def randomize(tensor: torch.Tensor, seed: int) -> None:
+    raw = tensor.view(torch.uint8)
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator)
+    raw.copy_(values.to(raw.device))
+
+
+def tensors(device: DeviceKV) -> list[torch.Tensor]:
+    return [*device.k, *(device.v or ())]
+
+
+def make_device(g: KVGeometry, seed: int) -> DeviceKV:
+    device = DeviceKV.allocate(g, DEVICE_PAGES * PAGE, "cuda")
+    for index, tensor in enumerate(tensors(device)):
+        randomize(tensor, seed * 100 + index)
+    return device
+
+
+def make_host(g: KVGeometry, pinning: Pinning, seed: int) -> KVHostPool:
+    facts = MemoryFacts(physical=64 << 30, available=64 << 30)
+    budget = HostMemoryBudget(BudgetConfig(total=256 << 20, headroom=0), facts=facts)
+    host = KVHostPool(g, HostMemory(budget, pinning=pinning))
+    randomize(host.kv_buffer, seed)
+    host.alloc(g.num_pages)
+    return host
+
+
+def host_row(
+    kv: torch.Tensor, g: KVGeometry, plane: int, layer: int, page: int, j: int
+) -> torch.Tensor:
+    buffer = kv if g.is_mla else kv[plane]
+    token = page * g.page_size + j
+    if g.layout is KVLayout.LAYER_FIRST:
+        return buffer[layer, token]
+    if g.layout is KVLayout.PAGE_FIRST:
+        return buffer[token, layer]
+    if g.layout is KVLayout.PAGE_FIRST_DIRECT:
+        return buffer[page, layer, j]
+    return buffer[page, :, j, layer]
+
+
+def expected_offload(
+    kv: torch.Tensor, device_cpu: list[torch.Tensor], g: KVGeometry, pairs: list[tuple[int, int]]
+) -> torch.Tensor:
+    kv = kv.clone()
+    for host_page, device_page in pairs:
+        for layer in range(g.layer_num):
+            for plane in range(g.kv_planes):
+                rows = device_cpu[plane * g.layer_num + layer]
+                for j in range(g.page_size):
+                    token = device_page * g.page_size + j
+                    host_row(kv, g, plane, layer, host_page, j).copy_(rows[token])
+    return kv
+
+
+def expected_load(
+    kv: torch.Tensor, device_cpu: list[torch.Tensor], g: KVGeometry, pairs: list[tuple[int, int]]
+) -> list[torch.Tensor]:
+    out = [t.clone() for t in device_cpu]
+    for host_page, device_page in pairs:
+        for layer in range(g.layer_num):
+            for plane in range(g.kv_planes):
+                for j in range(g.page_size):
+                    token = device_page * g.page_size + j
+                    row = host_row(kv, g, plane, layer, host_page, j)
+                    out[plane * g.layer_num + layer][token].copy_(row)
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = bits_dtype(a.dtype)
+    return a.shape == b.shape and torch.equal(a.cpu().view(bits), b.cpu().view(bits))
+
+
+def tokens_of(pages: list[int]) -> list[int]:
+    return [p * PAGE + j for p in pages for j in range(PAGE)]
+
+
+class SlowBackend(IOBackend):
+    """The torch backend, with a device-side sleep before each layer and each offload."""
+
+    def __init__(self, inner: IOBackend) -> None:
+        self.inner = inner
+
+    @property
+    def name(self) -> str:
+        return "slow"
+
+    def plan(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> CopyPlan:
+        return SlowPlan(self.inner.plan(host_pages, device_pages))
+
+
+class SlowPlan(CopyPlan):
+    def __init__(self, inner: CopyPlan) -> None:
+        self.inner = inner
+
+    def load_layer(self, layer: int) -> None:
+        device_sleep()
+        self.inner.load_layer(layer)
+
+    def offload(self) -> None:
+        device_sleep()
+        self.inner.offload()
+
+
+def slow_pipeline(device: DeviceKV, host: KVHostPool) -> DeviceHostPipeline:
+    return DeviceHostPipeline(device, host, io_backend=SlowBackend(TorchIOBackend(device, host)))
+
+
+@pytest.fixture(autouse=True)
+def device_synchronized() -> Iterator[None]:
+    yield
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize(("attention", "layout"), COMBOS, ids=COMBO_IDS)
+def test_each_layer_is_complete_after_its_wait(attention: Attention, layout: KVLayout) -> None:
+    g = make_geometry(attention, layout)
+    device, host = make_device(g, 1), make_host(g, Pinning.ALWAYS, 2)
+    pairs = [(3, 11), (0, 2), (7, 19)]
+    want = expected_load(host.kv_buffer, [t.cpu() for t in tensors(device)], g, pairs)
+    rows = torch.tensor(tokens_of([d for _, d in pairs]), device="cuda")
+    planes = g.kv_planes
+    with slow_pipeline(device, host) as pipe:
+        load = pipe.load([h for h, _ in pairs], tokens_of([d for _, d in pairs]))
+        pipe.layer_counter.set_consumer(load)
+        seen: list[list[torch.Tensor]] = []
+        for layer in range(LAYERS):
+            pipe.layer_counter.wait(layer)  # the current stream waits for this layer only
+            # Clones on the current stream, ordered after the wait and before later layers land.
+            seen.append(
+                [tensors(device)[p * LAYERS + layer].index_select(0, rows) for p in range(planes)]
+            )
+        assert load.wait().ok
+    for layer in range(LAYERS):
+        for p in range(planes):
+            assert same_bits(seen[layer][p], want[p * LAYERS + layer][rows.cpu()])
+
+
+@pytest.mark.parametrize(("attention", "layout"), COMBOS, ids=COMBO_IDS)
+def test_offload_and_load_in_flight_together(attention: Attention, layout: KVLayout) -> None:
+    g = make_geometry(attention, layout)
+    device, host = make_device(g, 3), make_host(g, Pinning.ALWAYS, 4)
+    out_pairs = [(1, 5), (4, 9), (8, 0)]  # host pages 1, 4, 8 <- device pages 5, 9, 0
+    in_pairs = [(2, 14), (6, 21)]  # host pages 2, 6 -> device pages 14, 21 (all disjoint)
+    before_device = [t.cpu() for t in tensors(device)]
+    want_host = expected_offload(host.kv_buffer, before_device, g, out_pairs)
+    want_device = expected_load(host.kv_buffer, before_device, g, in_pairs)
+    with slow_pipeline(device, host) as pipe:
+        offload = pipe.offload([h for h, _ in out_pairs], tokens_of([d for _, d in out_pairs]))
+        load = pipe.load([h for h, _ in in_pairs], tokens_of([d for _, d in in_pairs]))
+        assert pipe.in_flight == 2
+        assert not offload.done()
+        assert not load.done()
+        assert host.stats().pinned_bytes == 5 * g.page_bytes
+        results = pipe.drain()
+        assert [r.transfer_id for r in results] == [offload.transfer_id, load.transfer_id]
+        assert all(r.ok for r in results)
+        assert host.stats().pinned_bytes == 0
+    assert same_bits(host.kv_buffer, want_host)
+    assert all(same_bits(a, b) for a, b in zip(want_device, tensors(device), strict=True))
+
+
+@pytest.mark.parametrize("pinning", [Pinning.ALWAYS, Pinning.NEVER], ids=["uva", "staged"])
+@pytest.mark.parametrize(("attention", "layout"), COMBOS, ids=COMBO_IDS)
+def test_every_page_round_trips(attention: Attention, layout: KVLayout, pinning: Pinning) -> None:
+    g = make_geometry(attention, layout)
+    device, host = make_device(g, 5), make_host(g, pinning, 6)
+    rng = random.Random(7)
+    sources = rng.sample(range(DEVICE_PAGES), HOST_PAGES)
+    targets = rng.sample([p for p in range(DEVICE_PAGES) if p not in sources], HOST_PAGES)
+    host_pages = list(range(HOST_PAGES))
+    rng.shuffle(host_pages)
+    original = [t.cpu() for t in tensors(device)]
+    config = DeviceTransferConfig(io_backend="torch")
+    with DeviceHostPipeline(device, host, config) as pipe:
+        assert pipe.offload(host_pages, tokens_of(sources)).wait().ok
+        load = pipe.load(torch.tensor(host_pages), torch.tensor(tokens_of(targets)))
+        assert load.wait().ok
+    for before, after in zip(original, tensors(device), strict=True):
+        src = torch.tensor(tokens_of(sources))
+        dst = torch.tensor(tokens_of(targets))
+        assert same_bits(after.cpu()[dst], before[src])  # loaded back, byte for byte
+        assert same_bits(after.cpu()[src], before[src])  # the sources are untouched
