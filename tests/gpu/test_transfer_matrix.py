@@ -12,8 +12,8 @@ for every layout x attention (MHA and MLA):
   device pages, in page-locked (UVA) and pageable (staged) host memory.
 
 Marked ``gpu``: skipped with a reason where CUDA is absent. The reference is computed on CPU
-copies with SGLang's layout formulas, as in ``test_device_pipeline.py`` (the helpers are
-repeated here: test modules are not importable from one another).
+copies with SGLang's layout formulas, as in ``test_device_pipeline.py`` (both use
+``tests/support/gpu_kv.py``).
 """
 
 from __future__ import annotations
@@ -23,36 +23,31 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from support import gpu_kv
+from support.gpu_kv import (
+    COMBO_IDS,
+    COMBOS,
+    expected_load,
+    expected_offload,
+    make_host,
+    same_bits,
+    tensors,
+)
 
 from sglang_storage.memory import (
     Attention,
-    BudgetConfig,
-    HostMemory,
-    HostMemoryBudget,
     KVGeometry,
     KVHostPool,
     KVLayout,
-    MemoryFacts,
     Pinning,
 )
-from sglang_storage.memory.layouts import bits_dtype
 from sglang_storage.transfer.device import DeviceHostPipeline, DeviceTransferConfig
 from sglang_storage.transfer.device_kv import DeviceKV
-from sglang_storage.transfer.io import CopyPlan, IOBackend, TorchIOBackend
+from sglang_storage.transfer.io import IOBackend, TorchIOBackend
 
 pytestmark = pytest.mark.gpu
 
 MHA, MLA = Attention.MHA, Attention.MLA
-COMBOS = [
-    (MHA, KVLayout.LAYER_FIRST),
-    (MHA, KVLayout.PAGE_FIRST),
-    (MHA, KVLayout.PAGE_FIRST_DIRECT),
-    (MHA, KVLayout.PAGE_HEAD),
-    (MLA, KVLayout.LAYER_FIRST),
-    (MLA, KVLayout.PAGE_FIRST),
-    (MLA, KVLayout.PAGE_FIRST_DIRECT),
-]
-COMBO_IDS = [f"{a.value}-{layout.value}" for a, layout in COMBOS]
 LAYERS, PAGE, HOST_PAGES, DEVICE_PAGES, HEADS, DIM, MLA_DIM = 4, 16, 10, 24, 4, 64, 576
 SLEEP_CYCLES = 50_000_000  # about 25 ms at 2 GHz
 
@@ -60,6 +55,18 @@ SLEEP_CYCLES = 50_000_000  # about 25 ms at 2 GHz
 def device_sleep() -> None:
     """Keep the current stream busy for about 25 ms."""
     torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+
+
+def make_device(g: KVGeometry, seed: int) -> DeviceKV:
+    return gpu_kv.make_device(g, DEVICE_PAGES * PAGE, seed)
+
+
+def tokens_of(pages: list[int]) -> list[int]:
+    return gpu_kv.tokens_of(pages, PAGE)
+
+
+def slow_backend(inner: IOBackend) -> IOBackend:
+    return gpu_kv.SlowBackend(inner, device_sleep)
 
 
 def make_geometry(attention: Attention, layout: KVLayout) -> KVGeometry:
@@ -76,113 +83,8 @@ def make_geometry(attention: Attention, layout: KVLayout) -> KVGeometry:
     )
 
 
-def randomize(tensor: torch.Tensor, seed: int) -> None:
-    raw = tensor.view(torch.uint8)
-    generator = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator)
-    raw.copy_(values.to(raw.device))
-
-
-def tensors(device: DeviceKV) -> list[torch.Tensor]:
-    return [*device.k, *(device.v or ())]
-
-
-def make_device(g: KVGeometry, seed: int) -> DeviceKV:
-    device = DeviceKV.allocate(g, DEVICE_PAGES * PAGE, "cuda")
-    for index, tensor in enumerate(tensors(device)):
-        randomize(tensor, seed * 100 + index)
-    return device
-
-
-def make_host(g: KVGeometry, pinning: Pinning, seed: int) -> KVHostPool:
-    facts = MemoryFacts(physical=64 << 30, available=64 << 30)
-    budget = HostMemoryBudget(BudgetConfig(total=256 << 20, headroom=0), facts=facts)
-    host = KVHostPool(g, HostMemory(budget, pinning=pinning))
-    randomize(host.kv_buffer, seed)
-    host.alloc(g.num_pages)
-    return host
-
-
-def host_row(
-    kv: torch.Tensor, g: KVGeometry, plane: int, layer: int, page: int, j: int
-) -> torch.Tensor:
-    buffer = kv if g.is_mla else kv[plane]
-    token = page * g.page_size + j
-    if g.layout is KVLayout.LAYER_FIRST:
-        return buffer[layer, token]
-    if g.layout is KVLayout.PAGE_FIRST:
-        return buffer[token, layer]
-    if g.layout is KVLayout.PAGE_FIRST_DIRECT:
-        return buffer[page, layer, j]
-    return buffer[page, :, j, layer]
-
-
-def expected_offload(
-    kv: torch.Tensor, device_cpu: list[torch.Tensor], g: KVGeometry, pairs: list[tuple[int, int]]
-) -> torch.Tensor:
-    kv = kv.clone()
-    for host_page, device_page in pairs:
-        for layer in range(g.layer_num):
-            for plane in range(g.kv_planes):
-                rows = device_cpu[plane * g.layer_num + layer]
-                for j in range(g.page_size):
-                    token = device_page * g.page_size + j
-                    host_row(kv, g, plane, layer, host_page, j).copy_(rows[token])
-    return kv
-
-
-def expected_load(
-    kv: torch.Tensor, device_cpu: list[torch.Tensor], g: KVGeometry, pairs: list[tuple[int, int]]
-) -> list[torch.Tensor]:
-    out = [t.clone() for t in device_cpu]
-    for host_page, device_page in pairs:
-        for layer in range(g.layer_num):
-            for plane in range(g.kv_planes):
-                for j in range(g.page_size):
-                    token = device_page * g.page_size + j
-                    row = host_row(kv, g, plane, layer, host_page, j)
-                    out[plane * g.layer_num + layer][token].copy_(row)
-    return out
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    bits = bits_dtype(a.dtype)
-    return a.shape == b.shape and torch.equal(a.cpu().view(bits), b.cpu().view(bits))
-
-
-def tokens_of(pages: list[int]) -> list[int]:
-    return [p * PAGE + j for p in pages for j in range(PAGE)]
-
-
-class SlowBackend(IOBackend):
-    """The torch backend, with a device-side sleep before each layer and each offload."""
-
-    def __init__(self, inner: IOBackend) -> None:
-        self.inner = inner
-
-    @property
-    def name(self) -> str:
-        return "slow"
-
-    def plan(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> CopyPlan:
-        return SlowPlan(self.inner.plan(host_pages, device_pages))
-
-
-class SlowPlan(CopyPlan):
-    def __init__(self, inner: CopyPlan) -> None:
-        self.inner = inner
-
-    def load_layer(self, layer: int) -> None:
-        device_sleep()
-        self.inner.load_layer(layer)
-
-    def offload(self) -> None:
-        device_sleep()
-        self.inner.offload()
-
-
 def slow_pipeline(device: DeviceKV, host: KVHostPool) -> DeviceHostPipeline:
-    return DeviceHostPipeline(device, host, io_backend=SlowBackend(TorchIOBackend(device, host)))
+    return DeviceHostPipeline(device, host, io_backend=slow_backend(TorchIOBackend(device, host)))
 
 
 @pytest.fixture(autouse=True)

@@ -12,13 +12,19 @@ reads back exactly (after reopening the store, for ``file``).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
+from support.fault_matrix import (
+    WAIT_BOUND_S,
+    Watch,
+    host_memory,
+    open_inner,
+    schedules,
+)
 from support.ledger import Ledger
 
 from sglang_storage.core import GetRequest, ObjectKey, PutOutcome, PutRequest
@@ -31,13 +37,10 @@ from sglang_storage.managers.decode import (
 )
 from sglang_storage.memory import (
     Attention,
-    BudgetConfig,
     HostMemory,
-    HostMemoryBudget,
     KVGeometry,
     KVHostPool,
     KVLayout,
-    MemoryFacts,
 )
 from sglang_storage.storage import (
     Backend,
@@ -46,7 +49,6 @@ from sglang_storage.storage import (
     FaultSchedule,
     FileBackend,
     FileBackendConfig,
-    MemoryBackend,
 )
 from sglang_storage.storage.keys import kv_namespace, model_fingerprint, page_hashes
 from sglang_storage.transfer import (
@@ -58,29 +60,7 @@ from sglang_storage.transfer import (
 
 LEDGER_AREA = "fault matrix: decode offload"
 
-SCHEDULES = {
-    "errors": FaultSchedule(seed=201, error_rate=0.15, partial_batch_rate=0.2),
-    "slow": FaultSchedule(
-        seed=202, latency_rate=0.3, latency_s=0.005, timeout_rate=0.1, timeout_s=0.02
-    ),
-    "media": FaultSchedule(seed=203, vanish_rate=0.1, torn_write_rate=0.15, bit_flip_rate=0.15),
-    "all": FaultSchedule(
-        seed=204,
-        error_rate=0.05,
-        partial_batch_rate=0.1,
-        latency_rate=0.1,
-        latency_s=0.005,
-        timeout_rate=0.05,
-        timeout_s=0.02,
-        vanish_rate=0.05,
-        torn_write_rate=0.05,
-        bit_flip_rate=0.05,
-    ),
-}
-WAIT_BOUND_S = 15.0
-"""The longest any wait for the manager may take; past it, a hang."""
-CALL_BOUND_S = 5.0
-"""The longest one manager call may block the scheduler thread; past it, a hang."""
+SCHEDULES = schedules(200)
 
 PAGE = 4
 REQUESTS = 6
@@ -90,8 +70,7 @@ NAMESPACE = kv_namespace(model_fingerprint("test/decode-faults", page_size=PAGE)
 
 
 def _memory() -> HostMemory:
-    facts = MemoryFacts(physical=64 << 30, available=64 << 30)
-    return HostMemory(HostMemoryBudget(BudgetConfig(total=64 << 20, headroom=0), facts=facts))
+    return host_memory(64 << 20)
 
 
 def _geometry(num_pages: int) -> KVGeometry:
@@ -126,40 +105,9 @@ def _expected_pages(device: DeviceKV, pages: Sequence[int]) -> list[bytes]:
     return [b"".join(bytes(v) for v in ref.page_views(int(s))) for s in slots.tolist()]
 
 
-class Watch:
-    """Bounds on the scheduler thread's calls and waits; a bound passed is a hang."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-
-    def call(self, fn: Callable[[], object]) -> object:
-        """Run one manager call, counted as an operation; a slow one is a hang."""
-        start = time.monotonic()
-        result = fn()
-        self.ledger.operation()
-        if time.monotonic() - start > CALL_BOUND_S:
-            self.ledger.hang()
-        return result
-
-    def until(self, poll: Callable[[], None], done: Callable[[], bool]) -> bool:
-        """Poll until ``done()``; False (and a hang) once the bound passes."""
-        end = time.monotonic() + WAIT_BOUND_S
-        while time.monotonic() < end:
-            poll()
-            if done():
-                return True
-        self.ledger.hang()
-        return False
-
-
 @pytest.fixture(params=["memory", "file"])
 def inner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    backend: Backend
-    if request.param == "memory":
-        backend = MemoryBackend()
-    else:
-        root = tmp_path / "decode"
-        backend = FileBackend(FileBackendConfig(root=root, durability=Durability.FULL))
+    backend = open_inner(request.param, tmp_path / "decode")
     yield backend
     backend.close()
 

@@ -12,13 +12,19 @@ store, for ``file``).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
+from support.fault_matrix import (
+    WAIT_BOUND_S,
+    Watch,
+    host_memory,
+    open_inner,
+    schedules,
+)
 from support.ledger import Ledger
 
 from sglang_storage.core import GetOutcome, PutOutcome
@@ -32,50 +38,23 @@ from sglang_storage.managers.embedding import (
     content_hash,
 )
 from sglang_storage.memory import (
-    BudgetConfig,
     EmbeddingPool,
     EmbeddingPoolConfig,
     HostMemory,
-    HostMemoryBudget,
-    MemoryFacts,
 )
 from sglang_storage.policy import LRUPolicy
 from sglang_storage.storage import (
     Backend,
     Durability,
     FaultInjectingBackend,
-    FaultSchedule,
     FileBackend,
     FileBackendConfig,
-    MemoryBackend,
 )
 from sglang_storage.transfer import PageStore, StoragePipeline, StoragePipelineConfig
 
 LEDGER_AREA = "fault matrix: embedding cache"
 
-SCHEDULES = {
-    "errors": FaultSchedule(seed=301, error_rate=0.15, partial_batch_rate=0.2),
-    "slow": FaultSchedule(
-        seed=302, latency_rate=0.3, latency_s=0.005, timeout_rate=0.1, timeout_s=0.02
-    ),
-    "media": FaultSchedule(seed=303, vanish_rate=0.1, torn_write_rate=0.15, bit_flip_rate=0.15),
-    "all": FaultSchedule(
-        seed=304,
-        error_rate=0.05,
-        partial_batch_rate=0.1,
-        latency_rate=0.1,
-        latency_s=0.005,
-        timeout_rate=0.05,
-        timeout_s=0.02,
-        vanish_rate=0.05,
-        torn_write_rate=0.05,
-        bit_flip_rate=0.05,
-    ),
-}
-WAIT_BOUND_S = 15.0
-"""The longest any wait for the manager may take; past it, a hang."""
-CALL_BOUND_S = 5.0
-"""The longest one manager call may block the scheduler thread; past it, a hang."""
+SCHEDULES = schedules(300)
 
 DIM = 32
 ROWS_PER_PAGE = 4
@@ -86,8 +65,7 @@ MODEL = "test-embedding-faults"
 
 
 def _memory() -> HostMemory:
-    facts = MemoryFacts(physical=64 << 30, available=64 << 30)
-    return HostMemory(HostMemoryBudget(BudgetConfig(total=16 << 20, headroom=0), facts=facts))
+    return host_memory(16 << 20)
 
 
 def _cache(
@@ -115,40 +93,9 @@ def _wrong_bytes(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).sum())
 
 
-class Watch:
-    """Bounds on the scheduler thread's calls and waits; a bound passed is a hang."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-
-    def call(self, fn: Callable[[], object]) -> object:
-        """Run one manager call, counted as an operation; a slow one is a hang."""
-        start = time.monotonic()
-        result = fn()
-        self.ledger.operation()
-        if time.monotonic() - start > CALL_BOUND_S:
-            self.ledger.hang()
-        return result
-
-    def until(self, poll: Callable[[], None], done: Callable[[], bool]) -> bool:
-        """Poll until ``done()``; False (and a hang) once the bound passes."""
-        end = time.monotonic() + WAIT_BOUND_S
-        while time.monotonic() < end:
-            poll()
-            if done():
-                return True
-        self.ledger.hang()
-        return False
-
-
 @pytest.fixture(params=["memory", "file"])
 def inner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    backend: Backend
-    if request.param == "memory":
-        backend = MemoryBackend()
-    else:
-        root = tmp_path / "embedding"
-        backend = FileBackend(FileBackendConfig(root=root, durability=Durability.FULL))
+    backend = open_inner(request.param, tmp_path / "embedding")
     yield backend
     backend.close()
 

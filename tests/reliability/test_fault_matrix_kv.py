@@ -14,13 +14,18 @@ vanished).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
+from support.fault_matrix import (
+    WAIT_BOUND_S,
+    Watch,
+    host_memory,
+    schedules,
+)
 from support.ledger import Ledger
 
 from sglang_storage.core import GetRequest, ObjectKey, ObjectSpec
@@ -34,13 +39,10 @@ from sglang_storage.managers.kv import (
 )
 from sglang_storage.memory import (
     Attention,
-    BudgetConfig,
     HostMemory,
-    HostMemoryBudget,
     KVGeometry,
     KVHostPool,
     KVLayout,
-    MemoryFacts,
     RecordPool,
     RecordPoolConfig,
 )
@@ -54,7 +56,6 @@ from sglang_storage.storage import (
     Backend,
     Durability,
     FaultInjectingBackend,
-    FaultSchedule,
     FileBackend,
     FileBackendConfig,
     Hf3fsBackend,
@@ -71,29 +72,7 @@ from sglang_storage.transfer import (
 
 LEDGER_AREA = "fault matrix: KV cache"
 
-SCHEDULES = {
-    "errors": FaultSchedule(seed=101, error_rate=0.15, partial_batch_rate=0.2),
-    "slow": FaultSchedule(
-        seed=102, latency_rate=0.3, latency_s=0.005, timeout_rate=0.1, timeout_s=0.02
-    ),
-    "media": FaultSchedule(seed=103, vanish_rate=0.1, torn_write_rate=0.15, bit_flip_rate=0.15),
-    "all": FaultSchedule(
-        seed=104,
-        error_rate=0.05,
-        partial_batch_rate=0.1,
-        latency_rate=0.1,
-        latency_s=0.005,
-        timeout_rate=0.05,
-        timeout_s=0.02,
-        vanish_rate=0.05,
-        torn_write_rate=0.05,
-        bit_flip_rate=0.05,
-    ),
-}
-WAIT_BOUND_S = 15.0
-"""The longest any wait for the manager may take; past it, a hang."""
-CALL_BOUND_S = 5.0
-"""The longest one manager call may block the scheduler thread; past it, a hang."""
+SCHEDULES = schedules(100)
 
 PAGE = 4
 PAGES = 4
@@ -105,8 +84,7 @@ SIDE = "mamba"
 
 
 def _memory() -> HostMemory:
-    facts = MemoryFacts(physical=64 << 30, available=64 << 30)
-    return HostMemory(HostMemoryBudget(BudgetConfig(total=64 << 20, headroom=0), facts=facts))
+    return host_memory(64 << 20)
 
 
 def _geometry(num_pages: int) -> KVGeometry:
@@ -143,33 +121,6 @@ def _wrong_bytes(kv: DeviceKV, src: Sequence[int], dst: Sequence[int]) -> int:
         for layer in range(kv.geometry.layer_num)
         for plane in kv.planes(layer)
     )
-
-
-class Watch:
-    """Bounds on the scheduler thread's calls and waits; a bound passed is a hang."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-
-    def call(self, fn: Callable[[], object]) -> object:
-        """Run one manager call, counted as an operation; a slow one is a hang."""
-        start = time.monotonic()
-        result = fn()
-        self.ledger.operation()
-        if time.monotonic() - start > CALL_BOUND_S:
-            self.ledger.hang()
-        return result
-
-    def until(self, poll: Callable[[], None], done: Callable[[], bool]) -> bool:
-        """Poll until ``done()``; False (and a hang) once the bound passes."""
-        end = time.monotonic() + WAIT_BOUND_S
-        while time.monotonic() < end:
-            poll()
-            if done():
-                return True
-            time.sleep(0.002)
-        self.ledger.hang()
-        return False
 
 
 class Rig:

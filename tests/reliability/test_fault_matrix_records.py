@@ -12,13 +12,18 @@ miss or an error is fine), no call or wait passes its bound, no host bytes stay 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
+from support.fault_matrix import (
+    WAIT_BOUND_S,
+    Watch,
+    open_inner,
+    schedules,
+)
 from support.ledger import Ledger
 
 from sglang_storage.core import GetOutcome, GetRequest, PutOutcome
@@ -44,38 +49,14 @@ from sglang_storage.storage import (
     Backend,
     Durability,
     FaultInjectingBackend,
-    FaultSchedule,
     FileBackend,
     FileBackendConfig,
-    MemoryBackend,
 )
 from sglang_storage.transfer import StoragePipeline, StoragePipelineConfig
 
 LEDGER_AREA = "fault matrix: records"
 
-SCHEDULES = {
-    "errors": FaultSchedule(seed=401, error_rate=0.15, partial_batch_rate=0.2),
-    "slow": FaultSchedule(
-        seed=402, latency_rate=0.3, latency_s=0.005, timeout_rate=0.1, timeout_s=0.02
-    ),
-    "media": FaultSchedule(seed=403, vanish_rate=0.1, torn_write_rate=0.15, bit_flip_rate=0.15),
-    "all": FaultSchedule(
-        seed=404,
-        error_rate=0.05,
-        partial_batch_rate=0.1,
-        latency_rate=0.1,
-        latency_s=0.005,
-        timeout_rate=0.05,
-        timeout_s=0.02,
-        vanish_rate=0.05,
-        torn_write_rate=0.05,
-        bit_flip_rate=0.05,
-    ),
-}
-WAIT_BOUND_S = 15.0
-"""The longest any wait for the store may take; past it, a hang."""
-CALL_BOUND_S = 5.0
-"""The longest one store call may block its thread; past it, a hang."""
+SCHEDULES = schedules(400)
 
 RECORDS = 24
 MODEL = "test-records-faults"
@@ -115,40 +96,9 @@ def _wrong_bytes(a: torch.Tensor, b: torch.Tensor) -> int:
     return sum(x != y for x, y in zip(_bytes(a), _bytes(b), strict=True))
 
 
-class Watch:
-    """Bounds on the owner thread's calls and waits; a bound passed is a hang."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-
-    def call(self, fn: Callable[[], object]) -> object:
-        """Run one store call, counted as an operation; a slow one is a hang."""
-        start = time.monotonic()
-        result = fn()
-        self.ledger.operation()
-        if time.monotonic() - start > CALL_BOUND_S:
-            self.ledger.hang()
-        return result
-
-    def until(self, poll: Callable[[], None], done: Callable[[], bool]) -> bool:
-        """Poll until ``done()``; False (and a hang) once the bound passes."""
-        end = time.monotonic() + WAIT_BOUND_S
-        while time.monotonic() < end:
-            poll()
-            if done():
-                return True
-        self.ledger.hang()
-        return False
-
-
 @pytest.fixture(params=["memory", "file"])
 def inner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    backend: Backend
-    if request.param == "memory":
-        backend = MemoryBackend()
-    else:
-        root = tmp_path / "records"
-        backend = FileBackend(FileBackendConfig(root=root, durability=Durability.FULL))
+    backend = open_inner(request.param, tmp_path / "records")
     yield backend
     backend.close()
 
