@@ -30,7 +30,6 @@ checks it builds.
 from __future__ import annotations
 
 import json
-import sys
 from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.sglang_hooks import hooks_installed
 
 from sglang_storage.core import GetRequest
 from sglang_storage.memory import BudgetConfig, HostMemory, HostMemoryBudget, KVHostPool
@@ -111,26 +111,10 @@ def installed() -> Iterator[Any]:
     """``install()`` through SGLang's HookRegistry; every rebinding is undone afterwards."""
     import sglang.srt.disaggregation.decode_kvcache_offload_manager as origin
     import sglang.srt.managers.scheduler as scheduler
-    from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang_storage_adapters import decode
 
-    saved = ({k: list(v) for k, v in HookRegistry._hooks.items()}, set(HookRegistry._patched))
-    original = origin.DecodeKVCacheOffloadManager
-    bound = [
-        (module, name)
-        for module in list(sys.modules.values())
-        if module is not decode
-        for name, value in list(vars(module).items())
-        if value is original
-    ]
-    decode.install()
-    HookRegistry.apply_hooks()
-    yield scheduler
-    for module, name in bound:
-        setattr(module, name, original)
-    HookRegistry.reset()
-    HookRegistry._hooks.update(saved[0])
-    HookRegistry._patched.update(saved[1])
+    with hooks_installed(origin.DecodeKVCacheOffloadManager, decode.install, decode):
+        yield scheduler
 
 
 class Rig:

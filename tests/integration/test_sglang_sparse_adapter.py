@@ -39,6 +39,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.sglang_hooks import hooks_installed
 
 pytestmark = pytest.mark.sglang
 
@@ -92,26 +93,10 @@ def server_args(tmp_path: Path) -> Iterator[Callable[[list[str]], None]]:
 def coordinator_class() -> Iterator[Any]:
     """``install()`` through SGLang's HookRegistry; the class SGLang's model runner gets."""
     import sglang.srt.managers.hisparse_coordinator as origin
-    from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang_storage_adapters import sparse
 
-    saved = ({k: list(v) for k, v in HookRegistry._hooks.items()}, set(HookRegistry._patched))
-    original = origin.HiSparseCoordinator
-    bound = [
-        (module, name)
-        for module in list(sys.modules.values())
-        if module is not sparse
-        for name, value in list(vars(module).items())
-        if value is original
-    ]
-    sparse.install()
-    HookRegistry.apply_hooks()
-    yield origin.HiSparseCoordinator
-    for module, name in bound:
-        setattr(module, name, original)
-    HookRegistry.reset()
-    HookRegistry._hooks.update(saved[0])
-    HookRegistry._patched.update(saved[1])
+    with hooks_installed(origin.HiSparseCoordinator, sparse.install, sparse):
+        yield origin.HiSparseCoordinator
 
 
 class Rig:

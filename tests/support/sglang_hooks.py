@@ -1,0 +1,42 @@
+"""Install an adapter through SGLang's HookRegistry for one test, and undo it afterwards.
+
+HookRegistry rebinds every module attribute that is the replaced class, so undoing an
+install means restoring each of those bindings and the registry's own state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+__all__ = ["hooks_installed"]
+
+
+@contextlib.contextmanager
+def hooks_installed(
+    original: type, install: Callable[[], object], adapter: ModuleType
+) -> Iterator[None]:
+    """Run ``install()`` and apply SGLang's hooks; on exit, every binding of ``original``
+    (outside ``adapter``, which keeps its own reference) and the registry are restored."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    saved = ({k: list(v) for k, v in HookRegistry._hooks.items()}, set(HookRegistry._patched))
+    bound = [
+        (module, name)
+        for module in list(sys.modules.values())
+        if module is not adapter
+        for name, value in list(vars(module).items())
+        if value is original
+    ]
+    install()
+    HookRegistry.apply_hooks()
+    try:
+        yield
+    finally:
+        for module, name in bound:
+            setattr(module, name, original)
+        HookRegistry.reset()
+        HookRegistry._hooks.update(saved[0])
+        HookRegistry._patched.update(saved[1])
