@@ -3,7 +3,10 @@
 Run: ``python benchmarks/gpu_transfer.py --out DIR`` (``--pages``, ``--repeats``,
 ``--page-kib``, ``--layouts``, ``--require-target``). Needs CUDA; where it is absent it says
 ``CUDA not available: skipped`` (and writes that into ``--out``) and exits 0: no numbers are
-made up.
+made up. ``--device cpu`` runs the same rows with a CPU "device" pool and pageable host
+memory: no PCIe is involved, so its ratios compare our gather/scatter with one contiguous
+``copy_`` in host memory; it exercises this script and the pipeline's copies where no GPU
+is lent, and is never reported as a GPU result.
 
 For each layout (``layer_first``, ``page_first``) and page size (64 KiB, 256 KiB, 1 MiB and
 4 MiB by default: the bytes of one KV page, every layer, K and V), one MHA bf16 host pool of
@@ -79,28 +82,41 @@ def geometry(layout: KVLayout, page_bytes: int, pages: int) -> KVGeometry:
     )
 
 
-def timed(run: Callable[[], None]) -> float:
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(run: Callable[[], None], device: str) -> float:
     """Seconds of wall time ``run`` takes, device work included."""
-    torch.cuda.synchronize()
+    synchronize(device)
     started = time.perf_counter()
     run()
-    torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - started
 
 
 def measure(
-    layout: KVLayout, page_bytes: int, pages: int, repeats: int, warmup: int, seed: int
+    layout: KVLayout,
+    page_bytes: int,
+    pages: int,
+    repeats: int,
+    warmup: int,
+    seed: int,
+    device_type: str = "cuda",
 ) -> dict[str, Any]:
     """One row: medians per direction, pipeline and plain, and their ratios."""
     g = geometry(layout, page_bytes, pages)
     total = pages * g.page_bytes
+    cuda = device_type == "cuda"
     memory = HostMemory(
         HostMemoryBudget(BudgetConfig(total=total + (64 << 20), headroom=0)),
-        pinning=Pinning.ALWAYS,
+        pinning=Pinning.ALWAYS if cuda else Pinning.NEVER,
     )
     host = KVHostPool(g, memory)
     host.alloc(pages)
-    device = DeviceKV.allocate(g, pages * g.page_size, "cuda")
+    device = DeviceKV.allocate(g, pages * g.page_size, device_type)
     for tensor in (*device.k, *(device.v or ())):
         tensor.view(torch.uint8).random_(0, 256)
     host.kv_buffer.view(torch.uint8).random_(0, 256)
@@ -108,8 +124,10 @@ def measure(
     host_pages = torch.tensor(rng.sample(range(pages), pages), dtype=torch.int64)
     device_pages = torch.tensor(rng.sample(range(pages), pages), dtype=torch.int64)
     tokens = (device_pages.unsqueeze(1) * g.page_size + torch.arange(g.page_size)).flatten()
-    plain_host = torch.empty(total, dtype=torch.uint8).pin_memory()
-    plain_device = torch.empty(total, dtype=torch.uint8, device="cuda")
+    plain_host = torch.empty(total, dtype=torch.uint8)
+    if cuda:
+        plain_host = plain_host.pin_memory()
+    plain_device = torch.empty(total, dtype=torch.uint8, device=device_type)
     times: dict[str, list[float]] = {k: [] for k in ("d2h", "h2d", "plain_d2h", "plain_h2d")}
     with DeviceHostPipeline(device, host) as pipe:
         backend = pipe.io_detail
@@ -138,7 +156,7 @@ def measure(
         order = list(runs)
         for round_ in range(warmup + repeats):
             for name in order if round_ % 2 == 0 else reversed(order):
-                seconds = timed(runs[name])
+                seconds = timed(runs[name], device_type)
                 if round_ >= warmup:
                     times[name].append(seconds)
     host.close()
@@ -157,7 +175,10 @@ def measure(
         row[f"{direction}_gib_s"] = round(ours, 3)
         row[f"plain_{direction}_gib_s"] = round(plain, 3)
         row[f"{direction}_ratio"] = round(ours / plain, 4)
-    row["target_applies"] = layout.value == TARGET_LAYOUT and g.page_bytes >= TARGET_MIN_PAGE
+    # The target is about PCIe: a CPU run never applies it.
+    row["target_applies"] = (
+        cuda and layout.value == TARGET_LAYOUT and g.page_bytes >= TARGET_MIN_PAGE
+    )
     row["target_met"] = (
         min(row["d2h_ratio"], row["h2d_ratio"]) >= TARGET_RATIO if row["target_applies"] else None
     )
@@ -213,6 +234,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--require-target", action="store_true", help="exit 1 when the target is missed"
     )
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda (the GPU check) or cpu (a CPU 'device' pool: exercises the script, not PCIe)",
+    )
     args = parser.parse_args(argv)
     if args.pages < 1 or args.repeats < 1 or args.warmup < 0:
         parser.error("--pages and --repeats must be >= 1, --warmup >= 0")
@@ -222,20 +249,26 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 unless ``--require-target`` and the target was missed."""
     args = parse(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         reason = f"{SKIPPED} (torch {torch.__version__}, CUDA build {torch.version.cuda})"
         print(reason)  # noqa: T201
         write(args.out, {"skipped": reason, "rows": []}, f"# GPU transfer benchmark\n\n{reason}\n")
         return 0
     facts = {
-        "device": torch.cuda.get_device_name(),
+        "device": (
+            torch.cuda.get_device_name()
+            if args.device == "cuda"
+            else "CPU (no GPU: host memory both sides, not a PCIe result)"
+        ),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
     }
     rows = []
     for name in args.layouts:
         for kib in args.page_kib:
-            row = measure(KVLayout(name), kib << 10, args.pages, args.repeats, args.warmup, kib)
+            row = measure(
+                KVLayout(name), kib << 10, args.pages, args.repeats, args.warmup, kib, args.device
+            )
             print(json.dumps(row), flush=True)  # noqa: T201
             rows.append(row)
             # Written after every row: a run cut short by a time limit keeps what it measured.

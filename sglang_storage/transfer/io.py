@@ -22,8 +22,9 @@ before returning. Failures are raised as ``RuntimeError`` (torch's own) or
 Backends:
 
 - :class:`TorchIOBackend` (``"torch"``) - ``index_select`` / ``index_copy_`` over integer
-  views of the element bits (:func:`~sglang_storage.memory.layouts.bits_dtype`), so every
-  element type, fp8 included, moves byte-exactly; works on CPU and CUDA. On CUDA with
+  views of the element bits, as wide as each layout allows (:func:`copy_views`: 8-byte
+  words over the merged contiguous part of a page), so every element type, fp8 included,
+  moves byte-exactly; works on CPU and CUDA. On CUDA with
   page-locked host memory the host buffer is addressed in place from the device (a UVA
   view: no staging copy, asynchronous); with pageable host memory each layer goes through
   a synchronous staging copy.
@@ -56,6 +57,7 @@ __all__ = [
     "IOBackend",
     "IOBackendChoice",
     "TorchIOBackend",
+    "copy_views",
     "open_io_backend",
     "token_indices",
     "upload_index",
@@ -122,6 +124,42 @@ def token_indices(pages: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- torch
+
+_WORDS: tuple[torch.dtype, ...] = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _mergeable_dims(view: torch.Tensor) -> int:
+    """How many trailing dimensions of ``view`` lie contiguously and can merge into one."""
+    if view.stride(-1) != 1:
+        return 1
+    merged = 1
+    for dim in range(view.dim() - 2, 0, -1):  # dimension 0 (the page) is indexed: keep it
+        if view.stride(dim) != view.stride(dim + 1) * view.size(dim + 1):
+            break
+        merged += 1
+    return merged
+
+
+def copy_views(host: torch.Tensor, device: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``host`` and ``device`` (same shape, page first) as rows of the widest words both allow.
+
+    The trailing dimensions that are contiguous in both views merge into one, which is then
+    read as the widest integer (8, 4, 2 or 1 bytes) that divides its size, strides and start
+    in both. Fewer, wider elements move the same bytes in fewer (and, on a GPU reading host
+    memory in place, larger) transactions; the bits are unchanged.
+    """
+    merged = min(_mergeable_dims(host), _mergeable_dims(device))
+    if merged > 1:
+        host = host.view(*host.shape[:-merged], -1)
+        device = device.view(*device.shape[:-merged], -1)
+    for word in _WORDS:
+        if word.itemsize < host.element_size():
+            continue
+        try:
+            return host.view(word), device.view(word)
+        except RuntimeError:  # size, a stride or the start is not a multiple of the word
+            continue
+    return host.view(torch.uint8), device.view(torch.uint8)
 
 
 class _CudaArray:
@@ -210,7 +248,7 @@ class TorchIOBackend(IOBackend):
             host_planes = [views.k] if views.v is None else [views.k, views.v]
             self._pairs.append(
                 [
-                    (host_view(h), device_view(d))
+                    copy_views(host_view(h), device_view(d))
                     for h, d in zip(host_planes, device_kv.planes(layer), strict=True)
                 ]
             )
