@@ -392,6 +392,9 @@ class PipelineTransferEngine:
         for pages, tokens in self._pages(transfers):
             if self._cuda:
                 with torch.cuda.stream(stream):
+                    # After what compute queued before this call (SGLang's start_event wait):
+                    # the pipeline orders itself after the stream current here, the engine's.
+                    stream.wait_event(start)
                     handle = self.pipeline.offload(pages, tokens)
             else:
                 handle = self.pipeline.offload(pages, tokens)

@@ -29,8 +29,10 @@ fails yields a ``FAILED`` result carrying a :class:`~sglang_storage.errors.Stora
 
 On CUDA the copies run on two streams the pipeline owns (one per direction). A transfer
 first waits for the work already queued on the caller's current stream (so it sees what
-compute wrote, and a load cannot overwrite pages compute still reads); completion is
-tracked with events, never by spinning. Host memory is read and written asynchronously
+compute wrote, and a load cannot overwrite pages compute still reads), and for transfers
+of the other direction still in flight on any of its host pages (a load of a host page
+being offloaded reads the new bytes; an offload into a host page being loaded waits for
+the load to read it); completion is tracked with events, never by spinning. Host memory is read and written asynchronously
 only where it is page-locked; a pageable host pool is copied synchronously (see
 :class:`~sglang_storage.transfer.io.TorchIOBackend`). Device token indices given as a
 CUDA tensor are copied to the host to be checked, which waits for the current stream;
@@ -338,6 +340,9 @@ class DeviceHostPipeline:
         recorded = 0
         # Start after what the caller queued: compute that wrote (or still reads) the pages.
         stream.wait_stream(torch.cuda.current_stream(self._device))
+        # And after the other direction's transfers on the same host pages.
+        for earlier in self._ledger.crossing(direction, hosts):
+            earlier.fence(stream)
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
             events.start.record(stream)
             try:

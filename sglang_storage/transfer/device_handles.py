@@ -107,6 +107,22 @@ class TransferLedger:
         """The transfers not yet finished, in submission order."""
         return list(self._in_flight.values())
 
+    def crossing(
+        self, direction: CopyDirection, host_pages: torch.Tensor
+    ) -> list[DeviceTransferHandle]:
+        """Transfers of the other direction in flight that touch any of ``host_pages``.
+
+        A load reading a host page an offload still writes (or an offload overwriting a
+        host page a load still reads) must start after it: the two directions run on
+        different streams, and pins count users, they do not exclude them.
+        """
+        return [
+            handle
+            for handle in self._in_flight.values()
+            if handle.direction is not direction
+            and bool(torch.isin(handle.host_pages, host_pages).any())
+        ]
+
     def take_results(self) -> list[DeviceTransferResult]:
         """The results not yet returned, in submission order; they count as returned now."""
         results = [self._results[key] for key in sorted(self._results)]
@@ -213,13 +229,14 @@ class DeviceTransferHandle:
         self._ledger.delivered(self._id)
         return self._result
 
-    def fence(self) -> None:
-        """Make the current CUDA stream wait for this transfer, without blocking the host.
+    def fence(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current CUDA stream) wait for this transfer.
 
-        No-op on CPU, where the transfer has finished already.
+        Does not block the host. No-op on CPU, where the transfer has finished already.
         """
         if self._events is not None:
-            torch.cuda.current_stream(self._pipeline.device).wait_event(self._events.finish)
+            waiter = torch.cuda.current_stream(self._pipeline.device) if stream is None else stream
+            waiter.wait_event(self._events.finish)
 
     def __repr__(self) -> str:
         state = self._result.state.value if self._result is not None else "in_flight"

@@ -203,11 +203,14 @@ def test_offload_waits_for_compute_queued_before_it() -> None:
     g = make_geometry(MLA, KVLayout.PAGE_FIRST_DIRECT, torch.bfloat16)
     device, host = make_device(g, 14), make_host(g, Pinning.ALWAYS, 15)
     rows = slice(4 * PAGE, 5 * PAGE)
-    device_sleep()  # compute is busy...
-    for tensor in device.k:
-        tensor[rows].view(torch.uint8).fill_(0x5A)  # ...then writes the page
     with DeviceHostPipeline(device, host, DeviceTransferConfig(io_backend="torch")) as pipe:
-        assert pipe.offload([6], tokens_of([4])).wait().ok
+        assert pipe.offload([7], tokens_of([3])).wait().ok  # warm: nothing below allocates
+        device_sleep()  # compute is busy...
+        for tensor in device.k:
+            tensor[rows].view(torch.uint8).fill_(0x5A)  # ...then writes the page
+        handle = pipe.offload([6], tokens_of([4]))
+        assert not handle.done()  # submitting did not wait for compute: the stream does
+        assert handle.wait().ok
     for layer in range(LAYERS):
         assert bool((host.layer(layer).k[6].view(torch.uint8) == 0x5A).all())
 

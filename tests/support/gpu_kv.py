@@ -143,29 +143,43 @@ def tokens_of(pages: list[int], page_size: int) -> list[int]:
 
 
 class SlowBackend(IOBackend):
-    """An I/O backend that runs ``sleep`` on the transfer stream before each layer and offload."""
+    """An I/O backend that runs ``sleep`` on the transfer stream before each layer and offload.
 
-    def __init__(self, inner: IOBackend, sleep: Callable[[], None]) -> None:
+    ``loads`` / ``offloads`` False leaves that direction at full speed.
+    """
+
+    def __init__(
+        self,
+        inner: IOBackend,
+        sleep: Callable[[], None],
+        *,
+        loads: bool = True,
+        offloads: bool = True,
+    ) -> None:
         self.inner = inner
         self.sleep = sleep
+        self.loads = loads
+        self.offloads = offloads
 
     @property
     def name(self) -> str:
         return "slow"
 
     def plan(self, host_pages: torch.Tensor, device_pages: torch.Tensor) -> CopyPlan:
-        return _SlowPlan(self.inner.plan(host_pages, device_pages), self.sleep)
+        return _SlowPlan(self.inner.plan(host_pages, device_pages), self)
 
 
 class _SlowPlan(CopyPlan):
-    def __init__(self, inner: CopyPlan, sleep: Callable[[], None]) -> None:
+    def __init__(self, inner: CopyPlan, backend: SlowBackend) -> None:
         self.inner = inner
-        self.sleep = sleep
+        self.backend = backend
 
     def load_layer(self, layer: int) -> None:
-        self.sleep()
+        if self.backend.loads:
+            self.backend.sleep()
         self.inner.load_layer(layer)
 
     def offload(self) -> None:
-        self.sleep()
+        if self.backend.offloads:
+            self.backend.sleep()
         self.inner.offload()
