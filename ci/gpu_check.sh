@@ -21,7 +21,7 @@
 # otherwise. With --require-target a missed bandwidth target (page_first, pages >= 1 MiB,
 # pipeline >= 90% of the plain copy) also fails. With CUDA present the gpu tests are
 # required (SGLANG_STORAGE_REQUIRE=gpu), so none can pass by skipping. Bounded: tests
-# 240 s, benchmark 150 s, under 7 minutes in all (GPU_TEST_TIMEOUT, GPU_BENCH_TIMEOUT
+# 240 s (60 s per test), benchmark 150 s, under 7 minutes in all (GPU_TEST_TIMEOUT, GPU_BENCH_TIMEOUT
 # override; PYTHON picks the interpreter). The benchmark writes its files after every row,
 # so a run cut short keeps what it measured.
 set -euo pipefail
@@ -121,6 +121,7 @@ rc = pytest.main(
         "gpu",
         "-p",
         "pytest_timeout",
+        "--timeout=60",
         "-p",
         "no:cacheprovider",
         "-v",

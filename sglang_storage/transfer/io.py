@@ -199,6 +199,10 @@ def _uva_bytes(host: KVHostPool, device: torch.device) -> torch.Tensor | None:
             device,
         )
         return None
+    if view.data_ptr() != buffer.address:
+        # torch copied instead of viewing (a default device set to the CPU does that).
+        log.warning("no in-place device view of %s (torch copied it); staging", host.label)
+        return None
     return view
 
 

@@ -62,7 +62,9 @@ def test_cpu_rows_have_every_field_and_never_claim_the_gpu_target(tmp_path: Path
             assert row[f"{direction}_gib_s"] > 0
             assert row[f"plain_{direction}_gib_s"] > 0
             ratio = row[f"{direction}_gib_s"] / row[f"plain_{direction}_gib_s"]
-            assert abs(ratio - row[f"{direction}_ratio"]) < 0.01 * ratio + 1e-3
+            # The rates are rounded to 3 decimals: allow for that on slow rows.
+            assert abs(ratio - row[f"{direction}_ratio"]) < 0.05 * ratio + 1e-3
+            assert row[f"{direction}_device_ratio"] > 0
         assert row["io_backend"].startswith("torch (")
     table = (tmp_path / "gpu_transfer.md").read_text()
     assert "not measured" in table
