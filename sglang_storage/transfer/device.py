@@ -32,14 +32,14 @@ first waits for the work already queued on the caller's current stream (so it se
 compute wrote, and a load cannot overwrite pages compute still reads), and for transfers
 of the other direction still in flight on any of its host pages (a load of a host page
 being offloaded reads the new bytes; an offload into a host page being loaded waits for
-the load to read it); completion is tracked with events, never by spinning. Host memory is read and written asynchronously
-only where it is page-locked; a pageable host pool is copied synchronously (see
-:class:`~sglang_storage.transfer.io.TorchIOBackend`). Device token indices given as a
-CUDA tensor are copied to the host to be checked, which waits for the current stream;
-pass CPU tensors to avoid that. The pipeline does not guard device pages: a caller that
-reuses the device pages of an offload first calls its handle's ``fence()`` (or waits).
-On CPU the same calls copy synchronously and their handles are finished when returned;
-no threads are used anywhere.
+the load to read it); completion is tracked with events, never by spinning. Host memory
+is read and written asynchronously only where it is page-locked; a pageable host pool is
+copied synchronously (see :class:`~sglang_storage.transfer.io.TorchIOBackend`). Device
+token indices given as a CUDA tensor are copied to the host to be checked, which waits for
+the current stream; pass CPU tensors to avoid that. The pipeline does not guard device
+pages: a caller that reuses the device pages of an offload first calls its handle's
+``fence()`` (or waits). On CPU the same calls copy synchronously and their handles are
+finished when returned; no threads are used anywhere.
 
 Threading: a pipeline is driven from one thread. ``LayerDoneCounter.wait`` and
 ``DeviceLoadHandle.wait_layer`` may also be called from the thread that runs the forward
