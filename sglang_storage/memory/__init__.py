@@ -33,6 +33,7 @@ from sglang_storage.memory.budget import (
 from sglang_storage.memory.embedding import EmbeddingEntry, EmbeddingPool, EmbeddingPoolConfig
 from sglang_storage.memory.extents import ExtentAllocator, Run
 from sglang_storage.memory.host import (
+    CudaRuntime,
     HostAllocator,
     HostBuffer,
     HostMemory,
@@ -63,6 +64,7 @@ __all__ = [
     "BlobPoolConfig",
     "BudgetConfig",
     "BudgetStats",
+    "CudaRuntime",
     "EmbeddingEntry",
     "EmbeddingPool",
     "EmbeddingPoolConfig",

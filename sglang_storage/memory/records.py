@@ -7,6 +7,8 @@ Contract, one line per primitive:
   ``write(slots, data)``, ``read(slots)``, ``records`` (all of them as one tensor) and
   ``device_view()``: on CUDA, the same page-locked memory as a CUDA tensor (UVA), so kernels
   read records in place without a copy; a clear error without CUDA or page-locked memory.
+  A device view keeps the pool's memory (and its registration) alive, and ``close()`` is
+  refused while one is alive.
 - :class:`BlobPool` - named blobs of any size in one buffer (expert weight shards):
   ``put(key, data)`` copies once into a contiguous, aligned block; ``view(key)`` is a
   zero-copy view; ``remove`` / ``pin`` / ``unpin``; a blob is never split, and a request that
@@ -16,6 +18,7 @@ Contract, one line per primitive:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Final
 
@@ -28,7 +31,7 @@ from sglang_storage.core import DataKind
 from sglang_storage.errors import BackendUnavailableError, ConfigError, StateError
 from sglang_storage.memory.base import HostPool, SlotPool
 from sglang_storage.memory.extents import ExtentAllocator, Run
-from sglang_storage.memory.host import HostMemory, cuda_available
+from sglang_storage.memory.host import HostBuffer, HostMemory, cuda_available
 from sglang_storage.memory.layouts import ELEMENT_DTYPES, bits_dtype, dtype_in
 from sglang_storage.memory.slots import as_slot_tensor
 from sglang_storage.memory.stats import PoolStats
@@ -69,13 +72,19 @@ class RecordPoolConfig:
 
 
 class _CudaArray:
-    """Describes host memory to torch through ``__cuda_array_interface__`` (UVA)."""
+    """Describes a host buffer to torch through ``__cuda_array_interface__`` (UVA).
 
-    def __init__(self, address: int, shape: tuple[int, ...], typestr: str) -> None:
+    Torch keeps this object referenced from the storage of every tensor made from it, so
+    the ``buffer`` reference keeps the memory and its CUDA registration alive for as long
+    as any view of it exists.
+    """
+
+    def __init__(self, buffer: HostBuffer, shape: tuple[int, ...], typestr: str) -> None:
+        self.buffer = buffer
         self.__cuda_array_interface__ = {
             "shape": shape,
             "typestr": typestr,
-            "data": (address, False),
+            "data": (buffer.address, False),
             "version": 3,
             "strides": None,
         }
@@ -118,6 +127,7 @@ class RecordPool(SlotPool):
         buffer = self._check_open()
         self._records = buffer.tensor.view(config.dtype).view(config.capacity, *config.shape)
         self._records_bits = self._records.view(bits_dtype(config.dtype))
+        self._device_arrays: weakref.WeakSet[_CudaArray] = weakref.WeakSet()
 
     @property
     def config(self) -> RecordPoolConfig:
@@ -168,12 +178,18 @@ class RecordPool(SlotPool):
     def device_view(self, device: torch.device | str = "cuda") -> torch.Tensor:
         """All records as a CUDA tensor over the same host memory (UVA), without a copy.
 
+        The view (and every tensor sharing its storage) keeps the pool's memory alive;
+        ``close()`` is refused until they are all gone.
+
         Raises:
             BackendUnavailableError: CUDA is not available.
-            ConfigError: the pool's memory is not page-locked, or the element type has no
-                CUDA array interface code.
+            ConfigError: ``device`` is not a CUDA device or not the one the memory is mapped
+                to; the pool's memory is not page-locked; or the element type has no CUDA
+                array interface code.
+            StateError: the memory is not mapped at its host address.
         """
         buffer = self._check_open()
+        owner = f"{self._config.label}.device_view"
         if not cuda_available():
             raise BackendUnavailableError(
                 backend="UVA record view",
@@ -182,7 +198,7 @@ class RecordPool(SlotPool):
             )
         if not buffer.page_locked:
             raise ConfigError(
-                owner=f"{self._config.label}.device_view",
+                owner=owner,
                 field="pinning",
                 value="never",
                 reason="a device view needs page-locked memory",
@@ -191,14 +207,36 @@ class RecordPool(SlotPool):
         typestr = _TYPESTR.get(self._config.dtype)
         if typestr is None:
             raise ConfigError(
-                owner=f"{self._config.label}.device_view",
+                owner=owner,
                 field="dtype",
                 value=str(self._config.dtype),
                 reason="has no CUDA array interface type code",
                 allowed=", ".join(str(d) for d in _TYPESTR),
             )
+        target = _cuda_device(device, owner)
         shape = (self._config.capacity, *self._config.shape)
-        return torch.as_tensor(_CudaArray(buffer.address, shape, typestr), device=device)
+        array = _CudaArray(buffer, shape, typestr)
+        # No device= here: torch takes the device from the pointer, and as_tensor(device=)
+        # on another device would silently copy, making the "view" a snapshot.
+        with torch.cuda.device(target):
+            view = torch.as_tensor(array)
+        if view.device != target:
+            raise ConfigError(
+                owner=owner,
+                field="device",
+                value=str(target),
+                reason=f"the pool's page-locked memory is mapped to {view.device}; "
+                "a view on another device would be a copy",
+                allowed=str(view.device),
+            )
+        if view.data_ptr() != buffer.address:
+            raise StateError(
+                subject=owner,
+                reason=f"the memory at {buffer.address:#x} is mapped at device address "
+                f"{view.data_ptr():#x}, not at its host address (no UVA mapping)",
+            )
+        self._device_arrays.add(array)
+        return view
 
     def stats(self) -> PoolStats:
         """Bytes used, free and pinned."""
@@ -214,6 +252,12 @@ class RecordPool(SlotPool):
             page_locked=self.page_locked,
         )
 
+    def _pinned_reason(self) -> str | None:
+        views = len(self._device_arrays)
+        if views:
+            return f"{views} device views of its memory are still alive"
+        return super()._pinned_reason()
+
     def _allocated(self, slots: torch.Tensor | Sequence[int], op: str) -> torch.Tensor:
         self._check_open()
         index = as_slot_tensor(slots, owner=f"{self._config.label}.{op}")
@@ -224,6 +268,30 @@ class RecordPool(SlotPool):
                 reason=f"slots {index[~allocated][:8].tolist()} are not allocated",
             )
         return index
+
+
+def _cuda_device(device: torch.device | str, owner: str) -> torch.device:
+    """``device`` as a CUDA device with an index (plain "cuda" is the current device).
+
+    Raises:
+        ConfigError: ``device`` is not a CUDA device.
+    """
+    try:
+        target: torch.device | None = torch.device(device)
+    except RuntimeError:  # torch's message for an unparsable device string
+        target = None
+    if target is None or target.type != "cuda":
+        raise ConfigError(
+            owner=owner,
+            field="device",
+            value=str(device),
+            reason="must be a CUDA device",
+            allowed="cuda, cuda:N",
+        )
+    index: int | None = target.index  # None for plain "cuda" (torch's stub says int)
+    if index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return target
 
 
 @attrs.frozen(kw_only=True)

@@ -163,9 +163,14 @@ def copy_views(host: torch.Tensor, device: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 class _CudaArray:
-    """Host memory described to torch as device memory (``__cuda_array_interface__``)."""
+    """Host memory described to torch as device memory (``__cuda_array_interface__``).
 
-    def __init__(self, address: int, nbytes: int) -> None:
+    Holds ``owner`` (the host buffer): torch keeps this object alive as long as the view's
+    storage, so the memory and its registration outlive every view of it.
+    """
+
+    def __init__(self, address: int, nbytes: int, owner: object) -> None:
+        self.owner = owner
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -187,7 +192,7 @@ def _uva_bytes(host: KVHostPool, device: torch.device) -> torch.Tensor | None:
     try:
         with torch.cuda.device(device):
             # No ``device=`` here: torch would copy to it if the memory's device differed.
-            view = torch.as_tensor(_CudaArray(buffer.address, buffer.nbytes))
+            view = torch.as_tensor(_CudaArray(buffer.address, buffer.nbytes, buffer))
     except (RuntimeError, TypeError, ValueError) as error:
         log.warning("no device view of %s (%s); staging host copies", host.label, error)
         return None
