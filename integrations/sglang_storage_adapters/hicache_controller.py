@@ -363,9 +363,8 @@ class PipelineTransferEngine:
                     reason="names a host pool this engine does not serve",
                     allowed="the sglang_storage KV host pool",
                 )
-            out.append(
-                (self.host.pages_of(transfer.host_indices), transfer.device_indices.to("cpu"))
-            )
+            # The device indices stay where they are (the pipeline trusts them): no sync.
+            out.append((self.host.pages_of(transfer.host_indices), transfer.device_indices))
         return out
 
     def _finish(self, handle: DeviceTransferHandle, stream: Any) -> Any:
@@ -683,7 +682,9 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
                 value=type(host).__name__,
                 reason="must be the sglang_storage KV host pool",
             )
-        config = DeviceTransferConfig(io_backend="auto")
+        # SGLang's allocator hands out the device indices; like SGLang's own transfer
+        # kernels, the pipeline trusts them, so a write or load never waits for the GPU.
+        config = DeviceTransferConfig(io_backend="auto", check_device_tokens=False)
         pipeline = DeviceHostPipeline(
             device_kv(self.mem_pool_device, host.storage_pool), host.storage_pool, config
         )

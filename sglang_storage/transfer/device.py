@@ -36,7 +36,8 @@ the load to read it); completion is tracked with events, never by spinning. Host
 is read and written asynchronously only where it is page-locked; a pageable host pool is
 copied synchronously (see :class:`~sglang_storage.transfer.io.TorchIOBackend`). Device
 token indices given as a CUDA tensor are copied to the host to be checked, which waits for
-the current stream; pass CPU tensors to avoid that. The pipeline does not guard device
+the current stream; pass CPU tensors, or set ``check_device_tokens=False`` in the
+config for indices the caller vouches for, to avoid that. The pipeline does not guard device
 pages: a caller that reuses the device pages of an offload first calls its handle's
 ``fence()`` (or waits). On CPU the same calls copy synchronously and their handles are
 finished when returned; no threads are used anywhere.
@@ -274,8 +275,12 @@ class DeviceHostPipeline:
         if self._closed:
             raise StateError(subject=owner, reason="the pipeline is closed")
         hosts = self._host_index(host_pages, owner)
-        devices = self._device_kv.device_pages(
-            device_tokens, distinct=direction is CopyDirection.LOAD, owner=owner
+        devices = (
+            self._device_kv.device_pages(
+                device_tokens, distinct=direction is CopyDirection.LOAD, owner=owner
+            )
+            if self._config.check_device_tokens
+            else self._device_kv.trusted_pages(device_tokens, owner=owner)
         )
         if devices.numel() != hosts.numel():
             raise ConfigError(

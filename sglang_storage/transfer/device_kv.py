@@ -19,6 +19,8 @@ Contract, one line per primitive:
 - ``device_pages(tokens, distinct=...)`` - token indices naming whole device pages
   (``page_size`` consecutive tokens from a multiple of ``page_size``) to page numbers;
   :class:`ConfigError` for partial pages, out-of-range or repeated pages.
+- ``trusted_pages(tokens)`` - the same without looking at the values (no device sync; a
+  device tensor stays on its device), for indices the caller vouches for.
 """
 
 from __future__ import annotations
@@ -63,28 +65,33 @@ def as_index_tensor(
         ConfigError: ``values`` is not a 1-D integer tensor or a sequence of ints.
     """
     if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise ConfigError(
-                owner=owner,
-                field=field,
-                value=f"tensor of {values.dtype}",
-                reason="must be an integer tensor",
-                allowed="torch.int64 or torch.int32",
-            )
-        if values.dim() != 1:
-            raise ConfigError(
-                owner=owner,
-                field=field,
-                value=f"tensor of shape {tuple(values.shape)}",
-                reason="must be 1-D",
-            )
-        return values.to(device="cpu", dtype=torch.int64)
+        return _index_tensor(values, owner=owner, field=field).to(device="cpu")
     items = list(values)
     if any(isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) for v in items):
         raise ConfigError(
             owner=owner, field=field, value=items[:_SHOWN], reason="must be a sequence of ints"
         )
     return torch.tensor([int(v) for v in items], dtype=torch.int64)
+
+
+def _index_tensor(values: torch.Tensor, *, owner: str, field: str) -> torch.Tensor:
+    """``values`` (1-D, integer) as int64 on its own device; only metadata is read."""
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        raise ConfigError(
+            owner=owner,
+            field=field,
+            value=f"tensor of {values.dtype}",
+            reason="must be an integer tensor",
+            allowed="torch.int64 or torch.int32",
+        )
+    if values.dim() != 1:
+        raise ConfigError(
+            owner=owner,
+            field=field,
+            value=f"tensor of shape {tuple(values.shape)}",
+            reason="must be 1-D",
+        )
+    return values.to(dtype=torch.int64)
 
 
 def check_distinct(index: torch.Tensor, *, owner: str, field: str, what: str) -> None:
@@ -247,15 +254,7 @@ class DeviceKV:
             ConfigError: partial or misaligned pages, out-of-range or repeated pages.
         """
         index = as_index_tensor(tokens, owner=owner, field="device_tokens")
-        ps = self.geometry.page_size
-        n = index.numel()
-        if n % ps:
-            raise ConfigError(
-                owner=owner,
-                field="device_tokens",
-                value=f"{n} tokens",
-                reason=f"must be whole pages: a multiple of page_size ({ps})",
-            )
+        ps = self._whole_pages(index, owner)
         rows = index.view(-1, ps)
         starts = rows[:, 0]
         offsets = torch.arange(ps, dtype=torch.int64)
@@ -290,3 +289,36 @@ class DeviceKV:
                 what="a transfer writes each device page once (page numbers listed)",
             )
         return pages
+
+    def trusted_pages(self, tokens: torch.Tensor | Sequence[int], *, owner: str) -> torch.Tensor:
+        """The device page numbers of ``tokens``, trusted to list whole pages; no device sync.
+
+        Only what needs no look at the values is checked: a 1-D integer tensor (or ints)
+        whose length is a multiple of ``page_size``. Each page is named by its first token,
+        and a device tensor stays on its device, so nothing waits for the GPU. Partial,
+        out-of-range or repeated pages are not detected: the caller vouches for them, as
+        SGLang's own transfer kernels do for its allocator's indices (on CUDA an
+        out-of-range index is a device-side error).
+
+        Raises:
+            ConfigError: not a 1-D integer tensor or sequence of ints, or not whole pages.
+        """
+        if isinstance(tokens, torch.Tensor):
+            index = _index_tensor(tokens, owner=owner, field="device_tokens")
+        else:
+            index = as_index_tensor(tokens, owner=owner, field="device_tokens")
+        ps = self._whole_pages(index, owner)
+        return index.reshape(-1, ps)[:, 0].div(ps, rounding_mode="floor")
+
+    def _whole_pages(self, index: torch.Tensor, owner: str) -> int:
+        """``page_size``, once ``index`` is checked to hold a whole number of pages."""
+        ps = self.geometry.page_size
+        n = index.numel()
+        if n % ps:
+            raise ConfigError(
+                owner=owner,
+                field="device_tokens",
+                value=f"{n} tokens",
+                reason=f"must be whole pages: a multiple of page_size ({ps})",
+            )
+        return ps

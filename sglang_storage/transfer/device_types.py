@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from sglang_storage.config import instance_of
 from sglang_storage.errors import ConfigError, StorageError
 from sglang_storage.transfer.io import IOBackendChoice
 
@@ -72,6 +73,14 @@ class DeviceTransferConfig:
         default=IOBackendChoice.AUTO, converter=_to_choice, validator=_choice_valid
     )
     """``auto``, ``torch`` or ``kernel`` (a string is accepted); see :class:`IOBackendChoice`."""
+    check_device_tokens: bool = attrs.field(default=True, validator=instance_of(bool))
+    """Whether device token indices are checked (whole pages, in range, a loaded page once).
+
+    Checking reads the values, so a CUDA index tensor is copied to the host first, which
+    waits for the work queued on the current stream. False trusts the indices, as SGLang's
+    own transfer kernels trust its allocator's: a CUDA tensor is used where it is and
+    submitting never waits for the GPU (see ``DeviceKV.trusted_pages``).
+    """
 
 
 @attrs.frozen(kw_only=True)

@@ -9,8 +9,10 @@ line per primitive:
   it copies on this machine, for logs.
 - ``IOBackend.plan(host_pages, device_pages)`` - prepare one transfer (index tensors moved
   where the copies need them) and return a :class:`CopyPlan`. Both arguments are validated
-  1-D int64 CPU tensors of equal, non-zero length: host pages in range and distinct, device
-  pages in range (and distinct when loading).
+  1-D int64 tensors of equal, non-zero length: host pages on the CPU, in range and
+  distinct; device pages on the CPU, in range (and distinct when loading), or, where the
+  pipeline trusts its caller (``check_device_tokens=False``), possibly on the device and
+  unchecked.
 - ``CopyPlan.load_layer(layer)`` - host -> device for one layer, all planned pages.
 - ``CopyPlan.offload()`` - device -> host for every layer.
 
@@ -108,18 +110,22 @@ class IOBackend(abc.ABC):
 
 
 def upload_index(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``index`` (CPU) on ``device``; on CUDA through page-locked memory, without a sync.
+    """``index`` on ``device``; from the CPU to CUDA through page-locked memory, no sync.
 
-    Call it with the stream that will use the index current.
+    An index already on ``device`` is returned as it is. Call it with the stream that will
+    use the index current.
     """
-    if device.type != "cuda":
-        return index.to(device)
-    return index.pin_memory().to(device, non_blocking=True)
+    same_type = index.device.type == device.type
+    if index.device == device or (same_type and device.index is None):
+        return index
+    if device.type == "cuda" and index.device.type == "cpu":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
 
 
 def token_indices(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The token indices of ``pages``: each page's ``page_size`` tokens, in order."""
-    offsets = torch.arange(page_size, dtype=torch.int64)
+    """The token indices of ``pages`` (on their device): each page's tokens, in order."""
+    offsets = torch.arange(page_size, dtype=torch.int64, device=pages.device)
     return (pages.unsqueeze(1) * page_size + offsets).flatten()
 
 

@@ -181,7 +181,9 @@ class KernelIOBackend(IOBackend):
         ps = self._g.page_size
         host_tokens = token_indices(host_pages, ps)
         device_tokens = token_indices(device_pages, ps)
-        if not self._direct:
+        if self._direct:
+            device_tokens = device_tokens.cpu()  # the direct ops take host indices (a sync)
+        else:
             host_tokens = upload_index(host_tokens, self._device)
             device_tokens = upload_index(device_tokens, self._device)
         return _KernelPlan(self, host_tokens, device_tokens)

@@ -9,6 +9,7 @@ flight" is observable and the layer waits are what makes the results right.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -247,3 +248,27 @@ def test_loads_in_flight_together_and_drain() -> None:
         assert all(r.ok for r in results)
         assert pipe.metrics().load.transfers == 2
         assert host.stats().pinned_bytes == 0
+
+
+def test_trusted_cuda_tokens_are_submitted_without_waiting_for_the_gpu() -> None:
+    g = make_geometry(MHA, KVLayout.PAGE_FIRST, torch.bfloat16)
+    device, host = make_device(g, 20), make_host(g, Pinning.ALWAYS, 21)
+    before = [t.cpu() for t in tensors(device)]
+    config = DeviceTransferConfig(io_backend="torch", check_device_tokens=False)
+    out_tokens = torch.tensor(tokens_of([2, 7]), device="cuda")
+    in_tokens = torch.tensor(tokens_of([11, 13]), device="cuda")
+    with DeviceHostPipeline(device, host, config) as pipe:
+        warm = torch.tensor(tokens_of([1]), device="cuda")
+        assert pipe.offload([0], warm).wait().ok  # nothing below allocates for the first time
+        device_sleep()  # compute is busy for about 50 ms
+        started = time.perf_counter()
+        offload = pipe.offload([3, 4], out_tokens)
+        load = pipe.load([3, 4], in_tokens)  # reads what the offload writes (crossing)
+        submitted = time.perf_counter() - started
+        assert submitted < 0.025, f"submitting took {submitted:.3f} s: it waited for the GPU"
+        assert not offload.done()
+        assert offload.wait().ok
+        assert load.wait().ok
+    src, dst = torch.tensor(tokens_of([2, 7])), torch.tensor(tokens_of([11, 13]))
+    for old, new in zip(before, tensors(device), strict=True):
+        assert same_bits(new.cpu()[dst], old[src])

@@ -68,9 +68,9 @@ def tensors(device: DeviceKV) -> list[torch.Tensor]:
     return [*device.k, *(device.v or ())]
 
 
-def make_device(g: KVGeometry, tokens: int, seed: int) -> DeviceKV:
-    """A CUDA KV pool of ``tokens`` rows per layer, filled with random bytes."""
-    device = DeviceKV.allocate(g, tokens, "cuda")
+def make_device(g: KVGeometry, tokens: int, seed: int, on: str = "cuda") -> DeviceKV:
+    """A KV pool (on CUDA by default) of ``tokens`` rows per layer, filled with random bytes."""
+    device = DeviceKV.allocate(g, tokens, on)
     for index, tensor in enumerate(tensors(device)):
         randomize(tensor, seed * 100 + index)
     return device
