@@ -333,7 +333,9 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         submitted = 0
         if len(tokens) > tracked.given:
             row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(tokens)]
-            pages = row[:: self.page_size].to(device="cpu", dtype=torch.int64) // self.page_size
+            # Left on the device: the manager reads it (a copy to the host, which waits for
+            # the GPU) only when a stride is due, not at every decode step.
+            pages = row[:: self.page_size].to(dtype=torch.int64) // self.page_size
             submitted = self.manager.on_decoded(tracked.manager_id, tokens[tracked.given :], pages)
             tracked.given = len(tokens)
         if submitted:

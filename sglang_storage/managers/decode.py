@@ -234,7 +234,9 @@ class DecodeOffloadManager:
             request_id: The request.
             token_ids: Tokens whose KV was written to the device since the last call.
             device_pages: The device page of each of the request's pages, in order
-                (SGLang's ``req_to_token`` row, one entry per page).
+                (SGLang's ``req_to_token`` row, one entry per page). Read only when a
+                stride is due: a device tensor is copied to the host (waiting for the GPU)
+                at most once per stride, not at every call.
 
         Returns:
             Pages submitted for D2H now (0 when no stride is due or the host pool is full;
