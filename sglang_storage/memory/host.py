@@ -47,6 +47,7 @@ from sglang_storage.errors import (
 from sglang_storage.memory.budget import HostMemoryBudget, Lease, read_memory_facts
 
 __all__ = [
+    "CudaArray",
     "CudaRuntime",
     "HostAllocator",
     "HostBuffer",
@@ -123,6 +124,26 @@ def _aligned_empty(nbytes: int, label: str) -> torch.Tensor:
         ) from None
     skip = (-raw.data_ptr()) % ALIGNMENT
     return raw[skip : skip + nbytes]
+
+
+class CudaArray:
+    """A host buffer described to torch through ``__cuda_array_interface__`` (UVA).
+
+    ``torch.as_tensor(CudaArray(buffer, shape, typestr))`` is a CUDA tensor over the
+    buffer's page-locked memory, without a copy. Torch keeps this object referenced from
+    the storage of every tensor made from it, so the ``buffer`` reference keeps the memory
+    and its CUDA registration alive for as long as any view of it exists.
+    """
+
+    def __init__(self, buffer: HostBuffer, shape: tuple[int, ...], typestr: str) -> None:
+        self.buffer = buffer
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (buffer.address, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 class HostAllocator(abc.ABC):

@@ -31,7 +31,7 @@ from sglang_storage.core import DataKind
 from sglang_storage.errors import BackendUnavailableError, ConfigError, StateError
 from sglang_storage.memory.base import HostPool, SlotPool
 from sglang_storage.memory.extents import ExtentAllocator, Run
-from sglang_storage.memory.host import HostBuffer, HostMemory, cuda_available
+from sglang_storage.memory.host import CudaArray, HostMemory, cuda_available
 from sglang_storage.memory.layouts import ELEMENT_DTYPES, bits_dtype, dtype_in
 from sglang_storage.memory.slots import as_slot_tensor
 from sglang_storage.memory.stats import PoolStats
@@ -71,25 +71,6 @@ class RecordPoolConfig:
         return self.record_numel * self.dtype.itemsize
 
 
-class _CudaArray:
-    """Describes a host buffer to torch through ``__cuda_array_interface__`` (UVA).
-
-    Torch keeps this object referenced from the storage of every tensor made from it, so
-    the ``buffer`` reference keeps the memory and its CUDA registration alive for as long
-    as any view of it exists.
-    """
-
-    def __init__(self, buffer: HostBuffer, shape: tuple[int, ...], typestr: str) -> None:
-        self.buffer = buffer
-        self.__cuda_array_interface__ = {
-            "shape": shape,
-            "typestr": typestr,
-            "data": (buffer.address, False),
-            "version": 3,
-            "strides": None,
-        }
-
-
 _TYPESTR: Final[dict[torch.dtype, str]] = {
     torch.float32: "<f4",
     torch.float16: "<f2",
@@ -127,7 +108,7 @@ class RecordPool(SlotPool):
         buffer = self._check_open()
         self._records = buffer.tensor.view(config.dtype).view(config.capacity, *config.shape)
         self._records_bits = self._records.view(bits_dtype(config.dtype))
-        self._device_arrays: weakref.WeakSet[_CudaArray] = weakref.WeakSet()
+        self._device_arrays: weakref.WeakSet[CudaArray] = weakref.WeakSet()
 
     @property
     def config(self) -> RecordPoolConfig:
@@ -215,7 +196,7 @@ class RecordPool(SlotPool):
             )
         target = _cuda_device(device, owner)
         shape = (self._config.capacity, *self._config.shape)
-        array = _CudaArray(buffer, shape, typestr)
+        array = CudaArray(buffer, shape, typestr)
         # No device= here: torch takes the device from the pointer, and as_tensor(device=)
         # on another device would silently copy, making the "view" a snapshot.
         with torch.cuda.device(target):

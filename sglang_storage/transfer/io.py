@@ -51,6 +51,7 @@ import logging
 import torch
 
 from sglang_storage.memory import KVHostPool
+from sglang_storage.memory.host import CudaArray
 from sglang_storage.memory.layouts import bits_dtype
 from sglang_storage.transfer.device_kv import DeviceKV
 
@@ -168,24 +169,6 @@ def copy_views(host: torch.Tensor, device: torch.Tensor) -> tuple[torch.Tensor, 
     return host.view(torch.uint8), device.view(torch.uint8)
 
 
-class _CudaArray:
-    """Host memory described to torch as device memory (``__cuda_array_interface__``).
-
-    Holds ``owner`` (the host buffer): torch keeps this object alive as long as the view's
-    storage, so the memory and its registration outlive every view of it.
-    """
-
-    def __init__(self, address: int, nbytes: int, owner: object) -> None:
-        self.owner = owner
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (address, False),
-            "version": 3,
-            "strides": None,
-        }
-
-
 def _uva_bytes(host: KVHostPool, device: torch.device) -> torch.Tensor | None:
     """The host pool's buffer as a CUDA uint8 tensor over the same memory, or None.
 
@@ -198,7 +181,7 @@ def _uva_bytes(host: KVHostPool, device: torch.device) -> torch.Tensor | None:
     try:
         with torch.cuda.device(device):
             # No ``device=`` here: torch would copy to it if the memory's device differed.
-            view = torch.as_tensor(_CudaArray(buffer.address, buffer.nbytes, buffer))
+            view = torch.as_tensor(CudaArray(buffer, (buffer.nbytes,), "|u1"))
     except (RuntimeError, TypeError, ValueError) as error:
         log.warning("no device view of %s (%s); staging host copies", host.label, error)
         return None
