@@ -87,8 +87,9 @@ class CapacityIndex(Generic[K]):
         The reservation holds until :meth:`commit` or :meth:`release`.
 
         Raises:
-            CapacityError: ``size`` exceeds the cap, or pinned objects leave too little
-                room; nothing was evicted.
+            CapacityError: ``size`` exceeds the cap, or writes in flight (or objects
+                pinned in the policy) leave too little room; nothing was evicted and the
+                policy's state (hit counts, order) is as it was.
         """
         with self._lock:
             if self._capacity is None or self._policy is None:
@@ -105,22 +106,52 @@ class CapacityIndex(Generic[K]):
                 )
             victims: list[K] = []
             if need > 0:
-                victims = self._policy.evict(need)
-                sizes = {v: self._sizes.pop(v) for v in victims}
-                freed = sum(sizes.values())
-                self._bytes -= freed
-                if freed < need:
-                    # Not enough is evictable: put the victims back and refuse as a whole.
-                    for victim, victim_size in sizes.items():
-                        self._add_locked(victim, victim_size)
+                if need > self._bytes:
+                    # Refused before the policy is asked: evicting and putting victims
+                    # back would reinsert them as new, wiping their hit history.
                     raise CapacityError(
                         resource=f"{self._owner} capacity",
                         requested=size,
-                        available=max(0, self._capacity - used + freed),
-                        hint="the rest is pinned or reserved by writes in flight",
+                        available=max(0, self._capacity - self._pending),
+                        hint="the rest is reserved by writes in flight",
                     )
+                victims = self._evict_locked(need, size)
             self._pending += size
             return victims
+
+    def _evict_locked(self, need: int, size: int) -> list[K]:
+        """Untrack victims until ``need`` bytes are freed (``need`` <= indexed bytes).
+
+        The policy weighs an entry by the size it was inserted with, which a replacement
+        may have changed, so it is asked again until the indexed sizes cover ``need``.
+
+        Raises:
+            CapacityError: entries pinned in the policy leave too little to evict; the
+                victims are indexed again (as new entries) and nothing is evicted.
+        """
+        assert self._policy is not None
+        assert self._capacity is not None
+        evicted: dict[K, int] = {}
+        freed = 0
+        while freed < need:
+            batch = self._policy.evict(need - freed)
+            if not batch:
+                break
+            for victim in batch:
+                evicted[victim] = self._sizes.pop(victim)
+                freed += evicted[victim]
+        self._bytes -= freed
+        if freed < need:
+            # Only entries pinned through the policy itself get here (the index pins none).
+            for victim, victim_size in evicted.items():
+                self._add_locked(victim, victim_size)
+            raise CapacityError(
+                resource=f"{self._owner} capacity",
+                requested=size,
+                available=max(0, self._capacity - self._bytes - self._pending),
+                hint="the rest is pinned or reserved by writes in flight",
+            )
+        return list(evicted)
 
     def release(self, size: int) -> None:
         """Give back a reservation whose write failed."""

@@ -1,0 +1,83 @@
+"""The capacity index bounded backends share: a refused reservation changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_storage.errors import CapacityError
+from sglang_storage.policy import LRUPolicy, S3FIFOPolicy
+from sglang_storage.storage.capacity import CapacityIndex
+
+OBJECT = 100
+CAP = 10 * OBJECT
+
+
+def _store(index: CapacityIndex[str], *keys: str) -> None:
+    for key in keys:
+        index.reserve(OBJECT)
+        index.commit(key, OBJECT)
+
+
+def _hot_s3fifo_index() -> tuple[CapacityIndex[str], S3FIFOPolicy[str], list[str]]:
+    """A full index whose four hot objects sit in S3-FIFO's main queue with three hits."""
+    policy: S3FIFOPolicy[str] = S3FIFOPolicy()
+    index = CapacityIndex(CAP, policy, owner="test backend")
+    hot = [f"hot{i}" for i in range(4)]
+    _store(index, *hot, *(f"cold{i}" for i in range(6)))
+    for key in hot * 3:
+        index.access(key)
+    # Room for two more: the hot heads move to main, two cold objects go.
+    assert index.reserve(2 * OBJECT) == ["cold0", "cold1"]
+    index.commit("new0", OBJECT)
+    index.commit("new1", OBJECT)
+    for key in hot * 3:
+        index.access(key)
+    assert all(policy.in_main(key) for key in hot)
+    return index, policy, hot
+
+
+def test_a_refused_reservation_keeps_s3fifo_hit_history() -> None:
+    index, policy, hot = _hot_s3fifo_index()
+    # A large write in flight: the small queue's six objects make way for it.
+    assert len(index.reserve(6 * OBJECT)) == 6
+    assert index.totals() == (4, 4 * OBJECT)
+    # Only 400 bytes are indexed, so 700 more cannot be made room for: refused.
+    with pytest.raises(CapacityError) as refused:
+        index.reserve(7 * OBJECT)
+    assert "reserved by writes in flight" in str(refused.value)
+    assert index.totals() == (4, 4 * OBJECT)
+    assert all(policy.in_main(key) for key in hot)  # not reinserted as new entries
+
+    # The write in flight lands as six one-off objects; the next victims are those.
+    for i in range(6):
+        index.commit(f"scan{i}", OBJECT)
+    victims = index.reserve(4 * OBJECT)
+    assert victims == ["scan0", "scan1", "scan2", "scan3"]
+    assert all(key in index for key in hot)
+
+
+def test_a_refused_reservation_keeps_lru_order() -> None:
+    policy: LRUPolicy[str] = LRUPolicy()
+    index = CapacityIndex(CAP, policy, owner="test backend")
+    _store(index, *(f"k{i}" for i in range(10)))
+    index.access("k0")  # k0 is now the most recent
+    assert index.reserve(5 * OBJECT) == ["k1", "k2", "k3", "k4", "k5"]
+    with pytest.raises(CapacityError):
+        index.reserve(6 * OBJECT)  # 5 indexed objects, 5 reserved: refused
+    index.release(5 * OBJECT)
+    _store(index, "x0", "x1", "x2", "x3", "x4")
+    assert index.reserve(5 * OBJECT) == ["k6", "k7", "k8", "k9", "k0"]
+
+
+def test_an_object_replaced_by_a_smaller_one_does_not_make_a_write_fail() -> None:
+    # The policy still weighs "big" at its first size (500); the index holds 10 bytes.
+    index = CapacityIndex(CAP, LRUPolicy[str](), owner="test backend")
+    index.reserve(500)
+    index.commit("big", 500)
+    index.reserve(10)
+    index.commit("big", 10)
+    _store(index, *(f"k{i}" for i in range(9)))
+    assert index.totals() == (10, 910)
+    # 410 bytes must go: evicting "big" frees only 10, so the policy is asked again.
+    assert index.reserve(500) == ["big", "k0", "k1", "k2", "k3"]
+    assert index.totals() == (5, 500)
