@@ -56,6 +56,7 @@ __all__ = [
     "HICACHE_CLASS_NAME",
     "HICACHE_MODULE_PATH",
     "MANAGER_NAMES",
+    "LOAD_POLICIES",
     "PREFETCH_POLICIES",
     "SGLANG_DEFAULTS",
     "STORAGE_DESTS",
@@ -90,6 +91,8 @@ WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back
 """``--storage-write-policy`` values; SGLang's ``--hicache-write-policy`` choices."""
 PREFETCH_POLICIES: Final = ("best_effort", "wait_complete", "timeout")
 """``--storage-prefetch-policy`` values; SGLang's ``--hicache-storage-prefetch-policy``."""
+LOAD_POLICIES: Final = ("always", "cost")
+"""``--storage-load-policy`` values (``sglang_storage.managers.controller.LoadPolicy``)."""
 
 GB: Final = 10**9
 """The unit of SGLang's ``--hicache-size`` (``int(size * 1e9 // bytes_per_token)``)."""
@@ -418,6 +421,16 @@ def _flags() -> tuple[_Flag, ...]:
             ),
         ),
         _Flag(
+            "--storage-load-policy",
+            "storage_load_policy",
+            None,
+            "Which storage hits are prefetched: always (every hit at or above the "
+            "prefetch threshold, SGLang's behaviour) or cost (only hits the cost model, "
+            "fed with every read's measured time, says load faster than prefill "
+            "recomputes them). Default: always.",
+            choices=LOAD_POLICIES,
+        ),
+        _Flag(
             "--storage-managers",
             "storage_managers",
             "LIST",
@@ -439,6 +452,7 @@ STORAGE_DESTS: Final = (
     "storage_prefetch_threshold",
     "storage_prefetch_timeout_base",
     "storage_prefetch_timeout_per_ki_token",
+    "storage_load_policy",
     "storage_managers",
 )
 """The argparse destinations of the ``--storage-*`` flags (none is a ServerArgs field)."""
@@ -509,6 +523,8 @@ class StorageFlags:
         default=None, validator=optional(non_negative_number)
     )
     """Seconds per 1024 tokens; the growing part of the ``timeout`` policy's deadline."""
+    load_policy: str | None = attrs.field(default=None, validator=optional(one_of(*LOAD_POLICIES)))
+    """Which storage hits are prefetched (``always`` when None)."""
     managers: tuple[str, ...] = attrs.field(
         default=AVAILABLE_MANAGERS, validator=tuple_of(one_of(*MANAGER_NAMES))
     )
@@ -577,6 +593,7 @@ def storage_flags_from_args(args: argparse.Namespace) -> StorageFlags | None:
         prefetch_threshold=given.get("storage_prefetch_threshold"),
         prefetch_timeout_base=given.get("storage_prefetch_timeout_base"),
         prefetch_timeout_per_ki_token=given.get("storage_prefetch_timeout_per_ki_token"),
+        load_policy=given.get("storage_load_policy"),
         managers=given.get("storage_managers", AVAILABLE_MANAGERS),
         file_storage_path=getattr(args, "file_storage_path", None) or None,
     )
@@ -599,6 +616,8 @@ def extra_config(flags: StorageFlags) -> dict[str, object]:
         "storage_options": dict(flags.backend_options),
         "storage_managers": list(flags.managers),
     }
+    if flags.load_policy is not None:
+        config["storage_load_policy"] = flags.load_policy
     prefetch = {
         "prefetch_threshold": flags.prefetch_threshold,
         "prefetch_timeout_base": flags.prefetch_timeout_base,

@@ -50,8 +50,15 @@ from typing import Any, Final
 
 import torch
 
-from sglang_storage.core import GetRequest, PutRequest, PutResult
 from sglang_storage.errors import CapacityError, ConfigError, StorageError
+from sglang_storage.managers.controller import (
+    CacheController,
+    ControllerConfig,
+    ControllerEvent,
+    HitQueryDone,
+    ReadProgress,
+)
+from sglang_storage.managers.ranks import ProposingRankSync, SingleRank, StoreRankSync
 from sglang_storage.memory import (
     Attention,
     BudgetConfig,
@@ -65,10 +72,7 @@ from sglang_storage.transfer import (
     DeviceHostPipeline,
     DeviceTransferConfig,
     DeviceTransferHandle,
-    Priority,
-    PutHandle,
     StoragePipeline,
-    StoragePipelineConfig,
 )
 from sglang_storage.transfer.device_kv import DeviceKV
 from sglang_storage_adapters import require_supported_sglang
@@ -78,10 +82,12 @@ from sglang_storage_adapters.runtime import runtime_settings
 require_supported_sglang()
 
 # After the version check: these modules exist with these names in 0.5.23 only.
+from sglang.srt.managers.cache_controller import PrefetchAck  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (  # noqa: E402
     HybridCacheController,
+    PrefetchOperation,
     StorageOperation,
 )
 from sglang.srt.mem_cache.l2_transfer import TransferCompletion  # noqa: E402
@@ -93,6 +99,7 @@ from sglang.srt.mem_cache.pool_host.mha import (  # noqa: E402
 )
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.utils import get_device_module  # noqa: E402
 
 __all__ = [
@@ -102,10 +109,10 @@ __all__ = [
     "StorageMHAHostPool",
     "StorageMLAHostPool",
     "StorageStackStrategy",
-    "StorageTransfers",
     "build_host_pool",
     "device_kv",
     "install",
+    "rank_sync",
 ]
 
 log = logging.getLogger(__name__)
@@ -200,6 +207,8 @@ class StorageHostPool:
         """Free every page (SGLang's reset; nothing may be in flight)."""
         pool = getattr(self, "storage_pool", None)
         if pool is not None:
+            if self.before_free is not None:
+                self.before_free()  # finished transfers give their pages back first
             pool.slots.reset()
 
     def available_size(self) -> int:
@@ -441,170 +450,11 @@ class PipelineTransferEngine:
         return TransferCompletion(start_event, finish, False)
 
 
-# ---------------------------------------------------------------------- host -> storage
+# ---------------------------------------------------------------------- host <-> storage
 
 
-class StorageTransfers:
-    """The controller's host<->storage page I/O on our :class:`StoragePipeline`.
-
-    For a plain KV stack whose backend is ours, pages move as zero-copy views of our host
-    pool under the object keys :class:`~.hicache_storage.HiCacheBackend` uses, pinned while
-    they move, on one pipeline where prefetch reads (``URGENT``) go before backups
-    (``BACKGROUND``):
-
-    - :meth:`submit_backup` / :meth:`collect` - SGLang's ``write_storage`` without its
-      backup thread: each ``StorageOperation`` is one put; ``collect`` (scheduler thread)
-      returns the operations whose put ended, ``completed_tokens`` set to the leading run
-      of stored pages (SGLang's meaning), for the controller to acknowledge.
-    - :meth:`read` - the KV reads of SGLang's prefetch I/O thread (its ``page_get_func``):
-      waits for the get and returns the leading run of pages read.
-
-    Args:
-        backend: The attached HiCache backend (ours): its backend and object keys.
-        host: Our host pool the pages are read from.
-        config: How the pipeline runs.
-        read_timeout_s: How long a prefetch read waits before it is cancelled.
-    """
-
-    def __init__(
-        self,
-        backend: HiCacheBackend,
-        host: StorageHostPool,
-        config: StoragePipelineConfig | None = None,
-        *,
-        read_timeout_s: float = 60.0,
-    ) -> None:
-        self._hicache = backend
-        self._host = host
-        self._config = config if config is not None else StoragePipelineConfig()
-        self._read_timeout_s = read_timeout_s
-        self._pipeline = StoragePipeline(backend.backend, self._config)
-        self._ops: dict[int, tuple[PutHandle, Any, torch.Tensor]] = {}
-
-    @property
-    def pipeline(self) -> StoragePipeline:
-        """The pipeline the puts run on (metrics)."""
-        return self._pipeline
-
-    @property
-    def in_flight(self) -> int:
-        """Backups submitted and not yet collected."""
-        return len(self._ops)
-
-    def submit_backup(self, operation: Any) -> bool:
-        """Start backing up ``operation``'s pages; False (nothing started) when refused."""
-        pool = self._host.storage_pool
-        hashes = list(operation.hash_value or [])
-        pages = self._host.pages_of(operation.host_indices)[: len(hashes)]
-        spec = pool.page_spec
-        try:
-            requests = [
-                PutRequest(
-                    key=self._hicache.object_key(key), spec=spec, buffers=pool.page_views(int(p))
-                )
-                for key, p in zip(hashes, pages.tolist(), strict=True)
-            ]
-            pool.pin(pages)
-        except StorageError as error:
-            log.warning("sglang_storage backup of %d pages refused: %s", len(hashes), error)
-            return False
-        try:
-            handle = self._pipeline.submit_put(requests, priority=Priority.BACKGROUND)
-        except StorageError as error:
-            pool.unpin(pages)
-            log.warning("sglang_storage backup of %d pages refused: %s", len(hashes), error)
-            return False
-        self._ops[handle.op_id] = (handle, operation, pages)
-        return True
-
-    def read(self, hashes: Sequence[str], host_indices: torch.Tensor) -> int:
-        """Read ``hashes``' pages into our host pool at ``host_indices``; leading pages read.
-
-        Blocks the calling (SGLang I/O) thread until the get ends; a get that outlives
-        ``read_timeout_s`` is cancelled and waited for (a backend call in flight writes
-        into the pages), then counts as 0 pages.
-        """
-        pool = self._host.storage_pool
-        pages = self._host.pages_of(host_indices)[: len(hashes)]
-        spec = pool.page_spec
-        try:
-            requests = [
-                GetRequest(
-                    key=self._hicache.object_key(key), spec=spec, buffers=pool.page_views(int(p))
-                )
-                for key, p in zip(hashes, pages.tolist(), strict=True)
-            ]
-            pool.pin(pages)
-        except StorageError as error:
-            log.warning("sglang_storage prefetch of %d pages refused: %s", len(hashes), error)
-            return 0
-        started = time.perf_counter()
-        try:
-            handle = self._pipeline.submit_get(requests, priority=Priority.URGENT)
-            if not handle.wait(self._read_timeout_s):
-                handle.cancel()
-                handle.wait()
-                return 0
-        except StorageError as error:
-            log.warning("sglang_storage prefetch of %d pages failed: %s", len(hashes), error)
-            return 0
-        finally:
-            pool.unpin(pages)
-        read, nbytes = 0, 0
-        for result in handle.partial():
-            if not result.hit:
-                break
-            read, nbytes = read + 1, nbytes + result.nbytes
-        self._hicache.record_transfer(
-            prefetch=True, pages=read, nbytes=nbytes, seconds=time.perf_counter() - started
-        )
-        return read
-
-    def collect(self, timeout_s: float | None = 0.0) -> list[Any]:
-        """The operations whose put ended since the last call, ``completed_tokens`` set."""
-        done = []
-        for handle in self._pipeline.completions(timeout_s):
-            entry = self._ops.pop(handle.op_id, None)
-            if entry is None:
-                continue
-            _, operation, pages = entry
-            self._host.storage_pool.unpin(pages)
-            stored = 0
-            for result in handle.partial():
-                if not (isinstance(result, PutResult) and result.ok):
-                    break
-                stored += 1
-            if stored < len(operation.hash_value or []):
-                log.warning(
-                    "sglang_storage backup: %d of %d pages stored (%s)",
-                    stored,
-                    len(operation.hash_value or []),
-                    handle.error,
-                )
-            operation.completed_tokens = stored * self._host.page_size
-            self._hicache.record_transfer(
-                prefetch=False,
-                pages=stored,
-                nbytes=stored * self._host.storage_pool.page_spec.nbytes,
-                seconds=handle.latency_s or 0.0,
-            )
-            done.append(operation)
-        return done
-
-    def close(self) -> list[Any]:
-        """Finish every backup in flight (bounded) and return the operations that ended."""
-        self._pipeline.close(drain=True)
-        done = self.collect()
-        for _, operation, pages in self._ops.values():  # outlived the close timeout
-            self._host.storage_pool.unpin(pages)
-            operation.completed_tokens = 0
-            done.append(operation)
-        self._ops.clear()
-        return done
-
-
-class _AckQueue(queue.Queue[Any]):
-    """SGLang's ``ack_backup_queue``, filled from our backups whenever the tree looks at it."""
+class _PumpedQueue(queue.Queue[Any]):
+    """One of SGLang's controller queues, filled from our core whenever the tree looks at it."""
 
     def __init__(self, pump: Callable[[], None]) -> None:
         super().__init__()
@@ -617,6 +467,49 @@ class _AckQueue(queue.Queue[Any]):
     def empty(self) -> bool:
         self._pump()
         return super().empty()
+
+
+class _ReadQueue(queue.Queue[Any]):
+    """SGLang's ``prefetch_buffer``: a prefetch the tree puts here starts reading at once."""
+
+    def __init__(self, start: Callable[[Any], None]) -> None:
+        super().__init__()
+        self._start = start
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        self._start(item)
+
+
+def rank_sync(groups: Sequence[Any]) -> ProposingRankSync:
+    """Bounded agreement over the ranks of the one group in ``groups`` with several ranks.
+
+    Built on the default ``torch.distributed`` store (no collective, nothing blocks); one
+    rank, or no initialised ``torch.distributed``, is :class:`SingleRank`.
+
+    Raises:
+        ConfigError: more than one of ``groups`` spans several ranks (TP with PP or CP).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return SingleRank()
+    wide = [g for g in groups if g is not None and dist.get_world_size(group=g) > 1]
+    if not wide:
+        return SingleRank()
+    if len(wide) > 1:
+        raise ConfigError(
+            owner=_OWNER,
+            field="parallelism",
+            value=len(wide),
+            reason="spans several rank groups (e.g. TP with PP or attention CP)",
+            allowed="one group of several ranks (TP); PP and CP keep SGLang's own stack",
+        )
+    ranks = sorted(int(r) for r in dist.get_process_group_ranks(wide[0]))
+    store = dist.distributed_c10d.PrefixStore(
+        "sglang_storage/hicache/" + "-".join(map(str, ranks)) + "/",
+        dist.distributed_c10d._get_default_store(),
+    )
+    return StoreRankSync(store, rank=ranks.index(dist.get_rank()), world_size=len(ranks))
 
 
 # ---------------------------------------------------------------------- controller
@@ -690,7 +583,13 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         )
         self.l2_transfer_engine = PipelineTransferEngine(pipeline, host)
         self._host = host
-        self._transfers: StorageTransfers | None = None
+        self._core: CacheController | None = None
+        self._storage_pipeline: StoragePipeline | None = None
+        self._sync_groups = (attn_cp_group, attn_tp_group or tp_group, pp_group)
+        self._queries: dict[int, Any] = {}
+        self._reads: dict[int, Any] = {}
+        self._read_ids: dict[int, int] = {}  # id(prefetch operation) -> read id
+        self._backups: dict[int, Any] = {}
         host.before_free = self._before_free
         log.info("sglang_storage HiCache controller: device<->host I/O %s", pipeline.io_detail)
         if storage_backend is not None:
@@ -708,85 +607,214 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         engine: PipelineTransferEngine = self.l2_transfer_engine
         return engine.pipeline
 
+    @property
+    def storage_core(self) -> CacheController | None:
+        """Our controller core (hit queries, prefetch reads, backups) while our backend is on.
+
+        None otherwise: another backend attached at run time gets SGLang's own threads.
+        """
+        return self._core
+
     def move_indices(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Indices as our pipeline takes them: on the CPU, in the tree's order."""
         return host_indices.to("cpu"), device_indices
 
-    @property
-    def storage_transfers(self) -> StorageTransfers | None:
-        """Our storage I/O (backups, prefetch reads) while our backend is attached.
-
-        None otherwise: another backend attached at run time gets SGLang's own threads.
-        """
-        return self._transfers
-
     def _before_free(self) -> None:
         engine: PipelineTransferEngine = self.l2_transfer_engine
         engine.poll()
-        self._pump_transfers()
+        self._pump()
 
-    def _pump_transfers(self) -> None:
-        backups = self._transfers
-        if backups is None:
-            return
-        for operation in backups.collect():
-            queue.Queue.put(self.ack_backup_queue, operation)
+    # ------------------------------------------------------------------ storage tier
 
     def _start_storage_threads(self) -> None:
-        super()._start_storage_threads()
-        self.ack_backup_queue = _AckQueue(self._pump_transfers)
-
-    def attach_storage_backend(
-        self,
-        storage_backend: str,
-        prefetch_threshold: int = 256,
-        model_name: str | None = None,
-        storage_backend_extra_config: dict[str, Any] | None = None,
-        host_pools: list[Any] | None = None,
-    ) -> None:
-        """SGLang's attach; with our backend, backups and prefetch reads use our pipeline."""
-        super().attach_storage_backend(
-            storage_backend=storage_backend,
-            prefetch_threshold=prefetch_threshold,
-            model_name=model_name,
-            storage_backend_extra_config=storage_backend_extra_config,
-            host_pools=host_pools,
+        if not isinstance(self.storage_backend, HiCacheBackend):
+            super()._start_storage_threads()  # another backend: SGLang's own threads
+            return
+        # No thread: SGLang's queues, filled by our core whenever the tree drains them.
+        self.prefetch_queue: queue.Queue[Any] = queue.Queue()
+        self.backup_queue: queue.Queue[Any] = queue.Queue()
+        self.prefetch_sync_queue: queue.Queue[Any] = queue.Queue()
+        self.prefetch_buffer = _ReadQueue(self._start_read)
+        self.prefetch_hit_queue = _PumpedQueue(self._pump)
+        self.ack_prefetch_queue = _PumpedQueue(self._pump)
+        self.ack_backup_queue = _PumpedQueue(self._pump)
+        self.host_mem_release_queue: queue.Queue[Any] = queue.Queue()
+        self._init_extra_host_mem_release_queues()
+        extra = self.storage_config.extra_config or {}
+        config = ControllerConfig(load_policy=extra.get("storage_load_policy", "always"))
+        self._storage_pipeline = StoragePipeline(self.storage_backend.backend)
+        self._core = CacheController(
+            host=self._host.storage_pool,
+            device=self.device_pipeline,
+            storage=self._storage_pipeline,
+            ranks=rank_sync(self._sync_groups),
+            config=config,
         )
-        if isinstance(self.storage_backend, HiCacheBackend):
-            self._transfers = StorageTransfers(self.storage_backend, self._host)
-            self.page_get_func = self._page_get_pipeline
+        log.info(
+            "sglang_storage HiCache storage tier: backend %s, load policy %s, no storage threads",
+            type(self.storage_backend.backend).__name__,
+            config.load_policy.value,
+        )
 
-    def _page_get_pipeline(
-        self, operation: Any, hash_values: list[str], host_indices: Any, extra_info: Any = None
-    ) -> int:
-        backups = self._transfers
-        if backups is None:  # detached meanwhile
-            return 0
-        return backups.read(hash_values, host_indices)
+    def _stop_storage_threads(self) -> None:
+        core, pipeline = self._core, self._storage_pipeline
+        if core is None:
+            super()._stop_storage_threads()
+            return
+        self.storage_stop_event.set()
+        self._core = self._storage_pipeline = None
+        self._deliver(core.close())
+        if pipeline is not None:
+            pipeline.close(drain=True)
+        self._queries.clear()
+        self._reads.clear()
+        self._read_ids.clear()
+
+    def _pump(self) -> None:
+        core = self._core
+        if core is not None:
+            self._deliver(core.poll())
+
+    def _deliver(self, events: Sequence[ControllerEvent]) -> None:
+        """Put what the core finished into SGLang's queues, as SGLang's threads would."""
+        ps = self.page_size
+        for event in events:
+            if isinstance(event, HitQueryDone):
+                operation = self._queries.pop(event.query_id)
+                hashes = list(operation.all_hash_values or [])
+                operation.hash_value = hashes[: event.pages]
+                operation.storage_hit_count = event.pages * ps
+                operation.pool_storage_result.update_kv_hit_pages(event.pages)
+                operation.query_pool_hit_pages = {PoolName.KV: event.pages}
+                queue.Queue.put(self.prefetch_hit_queue, operation)
+            elif isinstance(event, ReadProgress):
+                operation = self._reads[event.read_id]
+                ack = PrefetchAck(
+                    rid=operation.request_id,
+                    operation=operation,
+                    completed_tokens=event.pages * ps,
+                )
+                queue.Queue.put(self.ack_prefetch_queue, ack)
+                if event.final:
+                    del self._reads[event.read_id]
+                    self._read_ids.pop(id(operation), None)
+                    self._record(prefetch=True, pages=event.pages, started=operation)
+                    done = PrefetchAck(
+                        rid=operation.request_id, operation=operation, completed_req=True
+                    )
+                    queue.Queue.put(self.ack_prefetch_queue, done)
+            else:
+                operation = self._backups.pop(event.backup_id)
+                if event.stored_pages < event.requested_pages:
+                    log.warning(
+                        "sglang_storage backup: %d of %d pages stored (%s)",
+                        event.stored_pages,
+                        event.requested_pages,
+                        event.error,
+                    )
+                operation.completed_tokens = event.stored_pages * ps
+                self._record(prefetch=False, pages=event.stored_pages, started=operation)
+                queue.Queue.put(self.ack_backup_queue, operation)
+
+    def _record(self, *, prefetch: bool, pages: int, started: Any) -> None:
+        backend = self.storage_backend
+        if isinstance(backend, HiCacheBackend):
+            since = getattr(started, "_sgs_started", None)
+            seconds = 0.0 if since is None else time.perf_counter() - since
+            nbytes = pages * self._host.storage_pool.page_spec.nbytes
+            backend.record_transfer(prefetch=prefetch, pages=pages, nbytes=nbytes, seconds=seconds)
+
+    def _object_keys(self, hashes: Sequence[str]) -> list[Any]:
+        backend = self.storage_backend
+        assert isinstance(backend, HiCacheBackend)
+        return [backend.object_key(h) for h in hashes]
+
+    def prefetch(
+        self,
+        handle: Any,
+        new_input_tokens: list[int],
+        last_hash: str | None = None,
+        prefix_keys: list[str] | None = None,
+        extra_pools: list[Any] | None = None,
+        assume_stored: bool = False,
+    ) -> Any:
+        """SGLang's prefetch: the hit query starts now; its result reaches the hit queue."""
+        core = self._core
+        if core is None or extra_pools:
+            return super().prefetch(
+                handle, new_input_tokens, last_hash, prefix_keys, extra_pools, assume_stored
+            )
+        operation = PrefetchOperation(
+            handle,
+            new_input_tokens,
+            last_hash,
+            prefix_keys=prefix_keys,
+            pool_transfers=extra_pools,
+            assume_stored=assume_stored,
+        )
+        hashes = get_storage_hash_str(new_input_tokens, last_hash, page_size=self.page_size)
+        operation.all_hash_values = hashes
+        self._queries[core.query(self._object_keys(hashes))] = operation
+        return operation
+
+    def _start_read(self, operation: Any) -> None:
+        """The tree allocated host pages for an agreed hit: read it (``prefetch_buffer.put``)."""
+        core = self._core
+        if core is None:
+            return
+        hashes = list(operation.hash_value or [])
+        pages = self._host.pages_of(operation.host_indices)[: len(hashes)]
+        operation._sgs_started = time.perf_counter()
+        read_id = core.read(self._object_keys(hashes), pages)
+        self._reads[read_id] = operation
+        self._read_ids[id(operation)] = read_id
+        if operation.is_terminated():
+            core.cancel_read(read_id)
+
+    def terminate_prefetch(self, operation: Any) -> tuple[int, list[str]]:
+        """SGLang's terminate; a read still in flight stops at its next batch."""
+        completed = super().terminate_prefetch(operation)
+        read_id = self._read_ids.get(id(operation))
+        if read_id is not None and self._core is not None:
+            self._core.cancel_read(read_id)
+        return completed  # type: ignore[no-any-return]
+
+    def _storage_hit_query(self, operation: Any) -> tuple[list[str], int]:
+        """This rank's hit (the tree agrees on it): leading pages stored, bounded in time."""
+        core = self._core
+        if core is None or operation.pool_transfers:
+            return super()._storage_hit_query(operation)  # type: ignore[no-any-return]
+        hashes = get_storage_hash_str(
+            operation.token_ids, operation.last_hash, page_size=self.page_size
+        )
+        operation.all_hash_values = hashes
+        pages = core.local_hit_pages(self._object_keys(hashes))
+        operation.pool_storage_result.update_kv_hit_pages(pages)
+        operation.query_pool_hit_pages = {PoolName.KV: pages}
+        return hashes[:pages], pages * self.page_size
 
     def detach_storage_backend(self) -> None:
-        """SGLang's detach, with our backups in flight finished and acknowledged as usual.
-
-        SGLang's storage threads stop first, so no prefetch read starts on a closed pipeline.
-        """
-        backups = self._transfers
-        if backups is not None:
-            self._stop_storage_threads()
-            self._transfers = None
-            for operation in backups.close():
-                queue.Queue.put(self.ack_backup_queue, operation)
+        """SGLang's detach; our backups in flight are finished and acknowledged as usual."""
         super().detach_storage_backend()
 
     def reset(self) -> None:
-        """SGLang's reset; backups in flight are finished and dropped, unacknowledged."""
-        if self._transfers is not None:
-            self._stop_storage_threads()  # no prefetch read in flight on the old pipeline
-            self._transfers.close()
-            assert isinstance(self.storage_backend, HiCacheBackend)
-            self._transfers = StorageTransfers(self.storage_backend, self._host)
-        super().reset()
+        """SGLang's reset: every transfer list and queue emptied; storage stays attached."""
+        if self._core is None:
+            super().reset()
+            return
+        self._stop_storage_threads()  # reads cancelled, backups finished (unacknowledged)
+        self.write_queue.clear()
+        self.load_queue.clear()
+        self.ack_write_queue.clear()
+        self.ack_load_queue.clear()
+        with self.pp_prefetch_state_lock:
+            self.pp_prefetch_states.clear()
+            self.pp_prefetch_decisions.clear()
+        self.storage_stop_event.clear()
+        self._start_storage_threads()
+        self.prefetch_tokens_occupied = 0
 
     def write_storage(
         self,
@@ -797,7 +825,8 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         extra_pools: list[Any] | None = None,
     ) -> int:
         """Back host pages up to storage; the ack arrives in ``ack_backup_queue`` (op id)."""
-        if self._transfers is None or extra_pools:
+        core = self._core
+        if core is None or extra_pools:
             return int(
                 super().write_storage(host_indices, token_ids, hash_value, prefix_keys, extra_pools)
             )
@@ -805,8 +834,13 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
             host_indices, token_ids, hash_value=hash_value, prefix_keys=prefix_keys
         )
         # A non-writer rank of a TP-shared (MLA) pool stores nothing (SGLang's rule).
-        if self.backup_skip or not self._transfers.submit_backup(operation):
+        if self.backup_skip:
             queue.Queue.put(self.ack_backup_queue, operation)
+            return int(operation.id)
+        hashes = list(hash_value or [])
+        pages = self._host.pages_of(host_indices)[: len(hashes)]
+        operation._sgs_started = time.perf_counter()
+        self._backups[core.backup(self._object_keys(hashes), pages)] = operation
         return int(operation.id)
 
 

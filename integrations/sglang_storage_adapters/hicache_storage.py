@@ -122,7 +122,9 @@ _OWNER: Final = "sglang_storage HiCache extra config"
 _SGLANG_KEYS: Final = frozenset(
     {"backend_name", "module_path", "class_name", "interface_v1", "allocator", "file_storage_path"}
 )
-_OUR_KEYS: Final = frozenset({"storage_backend", "storage_options", "storage_managers", "eviction"})
+_OUR_KEYS: Final = frozenset(
+    {"storage_backend", "storage_options", "storage_managers", "storage_load_policy", "eviction"}
+)
 _KV: Final = "kv"
 _MAMBA: Final = "mamba"
 _SAFE_NAME: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,159}")

@@ -12,6 +12,11 @@ item 6). Managers here agree through :class:`RankSync` instead. Contract:
 - :class:`SingleRank` - one rank: the value itself.
 - :class:`StoreRankSync` - ranks of several processes over a ``torch.distributed`` store
   (``TCPStore`` on loopback or the cluster network); no process group, no collective.
+- ``propose(op, value, timeout_s=...)`` (:class:`ProposingRankSync`) - the same agreement
+  without waiting: it returns a :class:`Proposal` whose ``poll()`` is ``None`` while the
+  other ranks have not answered and the bound has not passed, then an :class:`Agreement`
+  (the MIN, or ``value=None`` when abandoned), the same on every rank. A scheduler thread
+  drives agreements this way and never blocks on another rank.
 
 How :class:`StoreRankSync` decides, for the ``n``-th call of ``op`` (its key prefix):
 every rank writes its value and counts itself in; the rank that completes the count writes
@@ -30,13 +35,25 @@ import math
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Final, Protocol, runtime_checkable
+
+import attrs
 
 from sglang_storage.config import require_int
 from sglang_storage.errors import ConfigError
 
-__all__ = ["ABANDONED", "KeyValueStore", "RankSync", "SingleRank", "StoreRankSync"]
+__all__ = [
+    "ABANDONED",
+    "Agreement",
+    "KeyValueStore",
+    "Proposal",
+    "ProposingRankSync",
+    "RankSync",
+    "SingleRank",
+    "StoreRankSync",
+]
 
 ABANDONED: Final = "abandoned"
 """What the outcome key of an op holds when some rank did not answer in time."""
@@ -68,6 +85,42 @@ class RankSync(Protocol):
             timeout_s: How long to wait for the other ranks.
         """
         ...
+
+
+@attrs.frozen
+class Agreement:
+    """What the ranks agreed for one proposal: the MIN, or None when some rank was late."""
+
+    value: int | None
+
+
+class Proposal(Protocol):
+    """One rank's value in an agreement that is still being decided."""
+
+    def poll(self) -> Agreement | None:
+        """The agreement once decided (the same on every rank), else None; never blocks."""
+        ...
+
+
+@runtime_checkable
+class ProposingRankSync(RankSync, Protocol):
+    """A :class:`RankSync` that also agrees without blocking the caller."""
+
+    def propose(self, op: str, value: int, *, timeout_s: float) -> Proposal:
+        """Offer ``value`` for the next agreement named ``op``; decided by ``poll()``.
+
+        Calls are matched across ranks by ``op`` and their order, as for ``agree_min``
+        (the two share neither names nor order: use distinct op names for each).
+        """
+        ...
+
+
+@attrs.frozen
+class _Decided:
+    agreement: Agreement
+
+    def poll(self) -> Agreement | None:
+        return self.agreement
 
 
 def _check(op: object, value: object, timeout_s: object, owner: str) -> None:
@@ -137,6 +190,11 @@ class SingleRank:
         _check(op, value, timeout_s, "SingleRank.agree_min")
         return value
 
+    def propose(self, op: str, value: int, *, timeout_s: float) -> Proposal:
+        """An agreement decided at once: ``value`` itself."""
+        _check(op, value, timeout_s, "SingleRank.propose")
+        return _Decided(Agreement(value))
+
 
 class StoreRankSync:
     """Agreement over a ``torch.distributed`` key-value store; see the module docstring.
@@ -193,6 +251,27 @@ class StoreRankSync:
             return None
         return None if outcome == ABANDONED else int(outcome)
 
+    def propose(self, op: str, value: int, *, timeout_s: float) -> Proposal:
+        """Offer ``value`` for the next ``op`` agreement; ``poll()`` the result (no waiting).
+
+        The rank that completes the count decides at once; the others learn the outcome
+        when they poll, or abandon it when they poll after the bound.
+        """
+        _check(op, value, timeout_s, "StoreRankSync.propose")
+        self._calls[op] += 1
+        base = f"{self._prefix}/{op}/{self._calls[op]}"
+        proposal = _StoreProposal(self._store, self._finish, base, time.monotonic() + timeout_s)
+        try:
+            store, outcome_key = self._store, f"{base}/outcome"
+            if not store.check([outcome_key]):
+                store.set(f"{base}/v{self._rank}", str(value))
+                if store.add(f"{base}/n", 1) == self._world:
+                    values = store.multi_get([f"{base}/v{r}" for r in range(self._world)])
+                    store.compare_set(outcome_key, "", str(min(int(v) for v in values)))
+        except (RuntimeError, OSError, ValueError):
+            proposal.settle(None)
+        return proposal
+
     def _decide(self, base: str, value: int, deadline: float) -> str:
         store, outcome_key = self._store, f"{base}/outcome"
         if store.check([outcome_key]):  # late: the others decided (or gave up) already
@@ -217,3 +296,36 @@ class StoreRankSync:
         for key in (*(f"{base}/v{r}" for r in range(self._world)), f"{base}/n", f"{base}/done"):
             self._store.delete_key(key)
         self._store.delete_key(f"{base}/outcome")
+
+
+class _StoreProposal:
+    """A :meth:`StoreRankSync.propose` in progress."""
+
+    def __init__(
+        self, store: KeyValueStore, finish: Callable[[str], None], base: str, deadline: float
+    ) -> None:
+        self._store = store
+        self._finish = finish
+        self._base = base
+        self._deadline = deadline
+        self._agreement: Agreement | None = None
+
+    def settle(self, value: int | None) -> None:
+        self._agreement = Agreement(value)
+
+    def poll(self) -> Agreement | None:
+        if self._agreement is not None:
+            return self._agreement
+        store, outcome_key = self._store, f"{self._base}/outcome"
+        try:
+            if store.check([outcome_key]):
+                outcome = store.get(outcome_key).decode()
+            elif time.monotonic() >= self._deadline:
+                outcome = store.compare_set(outcome_key, "", ABANDONED).decode()
+            else:
+                return None
+            self._finish(self._base)
+        except (RuntimeError, OSError, ValueError):
+            outcome = ABANDONED
+        self.settle(None if outcome == ABANDONED else int(outcome))
+        return self._agreement

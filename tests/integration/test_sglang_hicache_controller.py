@@ -295,10 +295,10 @@ def test_backup_evict_load_back_and_host_release(
     tree.backup_to_storage(SEQ)
     assert tree.host_available() == full - TOKENS
     # The storage backup ran on our pipeline, not SGLang's backup thread.
-    transfers = tree.cache.cache_controller.storage_transfers
-    assert transfers is not None
-    assert transfers.in_flight == 0
-    puts = transfers.pipeline.metrics().put
+    core = tree.cache.cache_controller.storage_core
+    assert core is not None and core.page_io is not None
+    assert core.in_flight == 0
+    puts = core.page_io.pipeline.metrics().put
     assert puts.pages >= TOKENS // PAGE  # the tree's own write-through and ours
     assert puts.failed == 0
 
@@ -334,9 +334,9 @@ def test_storage_hit_and_prefetch_under_each_stop_policy(
     assert consumer.cache.query_storage_hit_length(root, array("q", SEQ)) == TOKENS
     loaded = prefetch(consumer, f"req-{policy}")
     # The prefetch read ran on our pipeline (SGLang's I/O thread waited on it).
-    transfers = consumer.cache.cache_controller.storage_transfers
-    assert transfers is not None
-    gets = transfers.pipeline.metrics().get
+    core = consumer.cache.cache_controller.storage_core
+    assert core is not None and core.page_io is not None
+    gets = core.page_io.pipeline.metrics().get
     assert gets.pages * PAGE >= loaded
     assert gets.failed == 0
     if policy == "best_effort":
@@ -468,3 +468,38 @@ def test_slow_storage_timeout_gives_up_and_wait_complete_waits(
     drain(consumer.cache, lambda: consumer.host_available() == full - loaded)
     if loaded:
         assert torch.equal(consumer.load_back(SEQ), want[:, :, :loaded])
+
+
+SGLANG_STORAGE_THREADS = (
+    "prefetch_thread_func",
+    "prefetch_io_aux_func",
+    "prefetch_sync_thread_func",
+    "backup_thread_func",
+    "pp_prefetch_command_thread_func",
+)
+"""The targets of SGLang's storage threads (Python names a thread after its target)."""
+
+
+def sglang_storage_threads() -> list[str]:
+    import threading
+
+    return [
+        t.name
+        for t in threading.enumerate()
+        if any(target in t.name for target in SGLANG_STORAGE_THREADS)
+    ]
+
+
+def test_no_sglang_storage_thread_runs(tmp_path: Path, single_rank: None) -> None:
+    before = sglang_storage_threads()
+    producer = Tree(server_args(tmp_path))
+    assert producer.cache.cache_controller.enable_storage
+    want = producer.insert_random(SEQ, seed=8)
+    producer.backup_to_storage(SEQ)
+    consumer = Tree(server_args(tmp_path))
+    assert prefetch(consumer, "req-threads") == TOKENS
+    assert torch.equal(consumer.load_back(SEQ), want)
+    consumer.cache.reset()
+    # Built, attached, backed up, prefetched and reset: none of SGLang's storage threads.
+    assert sglang_storage_threads() == before
+    assert consumer.cache.cache_controller.storage_core is not None
