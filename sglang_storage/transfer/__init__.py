@@ -1,7 +1,10 @@
 """Moving bytes: the device<->host pipeline and the host<->storage pipeline.
 
 Every transfer returns a typed handle (done, failed or cancelled; bytes; latency) and the
-owner of a pipeline collects finished work as values; no caller drains a queue. The
+owner of a pipeline collects finished work as values, each once: ``DeviceHostPipeline.poll()``
+returns results, ``StoragePipeline.completions()`` terminal handles; no caller drains a
+queue. Querying or waiting on a handle changes nothing, and a failure is reported on its
+own handle, never raised from another call. The
 storage side talks to :class:`PageStore`, a ``Protocol`` declared here that the backends in
 :mod:`sglang_storage.storage` satisfy; this layer never imports them. Imports only
 :mod:`sglang_storage.memory` and the shared base.

@@ -13,19 +13,27 @@ Contract, one line per primitive:
 - ``layer_counter`` - the :class:`LayerDoneCounter` a forward pass waits on:
   ``set_consumer(load)`` once per batch, then ``wait(layer)`` before layer ``layer`` reads
   its KV (SGLang's ``LayerDoneCounter.set_consumer`` / ``wait_until``).
-- ``poll()`` - collect finished transfers and return their results, without blocking;
-  ``drain()`` - wait for every transfer and return the results not yet returned.
-- ``metrics()`` - counts, pages, bytes and latency per direction.
-- ``close()`` - wait for everything in flight; the pipeline refuses work afterwards.
+- ``poll()`` - collect the finished transfers and return their results, without blocking;
+  ``drain()`` - wait for every transfer, collect it and return the results.
+- ``metrics()`` - counts, pages, bytes and latency per direction, of collected transfers.
+- ``close()`` - ``drain()``, then refuse work; returns the results it collected.
 
-Every transfer pins its host pages for its whole life (they cannot be freed mid-copy) and
-unpins them, done or failed, as soon as it is seen finished: by ``poll()``, ``drain()``,
-``close()`` or its handle's ``done()`` / ``state`` / ``wait()`` (so call ``poll()``
-regularly, e.g. once per scheduler step). Each result is returned once: by the handle's
-``wait()``, or else by ``poll()`` / ``drain()``. Bad arguments raise
-:class:`~sglang_storage.errors.ConfigError` and a free host page
-:class:`~sglang_storage.errors.StateError`, before anything is pinned or copied; a copy that
-fails yields a ``FAILED`` result carrying a :class:`~sglang_storage.errors.StorageError`.
+Completion (the owner drains its own completions, as values): every transfer pins its
+host pages from submission until the pipeline's owner *collects* it, finished, in
+``poll()``, ``drain()`` or ``close()``, the only calls that unpin pages and count
+results; each of them returns the :class:`DeviceTransferResult` of every transfer it
+collected, in submission order, and each transfer is collected exactly once (so call
+``poll()`` regularly, e.g. once per scheduler step; ``close()`` leaves nothing pinned).
+The handle only observes: ``done()``, ``state`` and ``error`` never block and change
+nothing, and ``wait()`` blocks until the copies finish and returns the same result value,
+any number of times, without collecting it (the host pages stay pinned until the next
+``poll()``). Bad arguments raise :class:`~sglang_storage.errors.ConfigError` and a free
+host page :class:`~sglang_storage.errors.StateError`, before anything is pinned or copied.
+A copy that fails is a ``FAILED`` transfer whose :class:`~sglang_storage.errors.StorageError`
+is on its own handle (``error``) and result; on CUDA its events are recorded all the same,
+so waiters see it finish. Nothing raises it: not ``poll()``, ``drain()`` or ``close()``,
+and not a later call about other pages (a loaded layer of a failed load is refused by
+that load's ``wait_layer``, see below).
 
 On CUDA the copies run on two streams the pipeline owns (one per direction). A transfer
 first waits for the work already queued on the caller's current stream (so it sees what
@@ -185,11 +193,11 @@ class DeviceHostPipeline:
 
     @property
     def in_flight(self) -> int:
-        """Transfers submitted and not yet seen finished."""
+        """Transfers submitted and not yet collected (their host pages are pinned)."""
         return len(self._ledger.in_flight())
 
     def metrics(self) -> DeviceTransferMetrics:
-        """Totals per direction of the transfers seen finished so far."""
+        """Totals per direction of the transfers collected so far."""
         return self._ledger.metrics()
 
     # ------------------------------------------------------------------ transfers
@@ -228,34 +236,31 @@ class DeviceHostPipeline:
         return handle
 
     def poll(self) -> list[DeviceTransferResult]:
-        """Return the result of every finished transfer not yet returned, without blocking.
+        """Collect every finished transfer and return its result, without blocking.
 
-        Results come in submission order; each is returned once (here, by ``drain`` or by
-        its handle's ``wait``).
+        Collecting unpins the transfer's host pages and counts it in ``metrics()``.
+        Results come in submission order; each transfer is collected once (here, by
+        ``drain`` or by ``close``), whether or not its handle was waited on. A failed
+        transfer is a ``FAILED`` result, never an exception.
         """
-        for handle in self._ledger.in_flight():
-            handle.done()
-        return self._ledger.take_results()
+        return self._ledger.collect()
 
     def drain(self) -> list[DeviceTransferResult]:
-        """Wait for every transfer in flight; return every result not yet returned."""
-        for stream in self._streams.values():
-            stream.synchronize()
-        for handle in self._ledger.in_flight():
-            finished = handle.done()  # every copy is over after the synchronize
-            assert finished
-        return self._ledger.take_results()
+        """Wait for every transfer, collect it and return the results, as ``poll()``."""
+        return self._ledger.collect(block=True)
 
-    def close(self) -> None:
-        """Wait for everything in flight (unpinning its pages) and refuse further work.
+    def close(self) -> list[DeviceTransferResult]:
+        """``drain()`` (nothing stays pinned), then refuse further work.
 
-        Results not yet returned are dropped; metrics keep them. Closing twice is a no-op.
+        Returns the results ``drain()`` collected; closing again is a no-op that returns
+        nothing.
         """
         if self._closed:
-            return
-        self.drain()
+            return []
+        results = self.drain()
         self._counter.reset()
         self._closed = True
+        return results
 
     def __enter__(self) -> Self:
         return self
@@ -304,7 +309,7 @@ class DeviceHostPipeline:
             self._host.unpin(hosts)
             raise
         kind = DeviceLoadHandle if direction is CopyDirection.LOAD else DeviceTransferHandle
-        # A CPU transfer (no events) is finished already: the handle reports it at once.
+        # A CPU transfer (no events) is finished already; it is collected by the next poll.
         return kind(
             pipeline=self,
             ledger=self._ledger,

@@ -1,8 +1,8 @@
 """Handles of device<->host transfers, and the layer-done counter forward passes wait on.
 
-- :class:`DeviceTransferHandle` - one transfer: ``done()`` / ``state`` (never block),
-  ``wait()`` (blocks on an event) returns the :class:`DeviceTransferResult`, ``fence()``
-  makes the current CUDA stream wait for it.
+- :class:`DeviceTransferHandle` - one transfer: ``done()`` / ``state`` / ``error`` (never
+  block, change nothing), ``wait()`` (blocks on an event) returns the
+  :class:`DeviceTransferResult`, ``fence()`` makes the current CUDA stream wait for it.
 - :class:`DeviceLoadHandle` - a load, plus ``wait_layer(i)``: the current CUDA stream
   waits for layer ``i`` only.
 - :class:`LayerDoneCounter` - SGLang's ``LayerDoneCounter``: ``set_consumer(loads)`` per
@@ -76,36 +76,43 @@ class TransferEvents:
 
 
 class TransferLedger:
-    """A pipeline's books (internal): transfers in flight, results not yet returned, totals.
+    """A pipeline's books (internal): transfers not yet collected, and the totals.
 
-    Handles report here when they finish (their host pages are unpinned then) and when
-    their result is returned through ``wait()``; the pipeline reads the rest.
+    A transfer is opened at submission (its host pages are pinned) and stays here until
+    :meth:`collect` takes it, finished: only then are its pages unpinned and its result
+    counted. Handles never report here; reading one changes nothing.
     """
 
     def __init__(self, host: KVHostPool) -> None:
         self._host = host
-        self._in_flight: dict[int, DeviceTransferHandle] = {}
-        self._results: dict[int, DeviceTransferResult] = {}
+        self._open: dict[int, DeviceTransferHandle] = {}
         self._totals = {direction: CopyMetrics() for direction in CopyDirection}
 
     def opened(self, handle: DeviceTransferHandle) -> None:
         """``handle`` was submitted; its host pages are pinned."""
-        self._in_flight[handle.transfer_id] = handle
+        self._open[handle.transfer_id] = handle
 
-    def finished(self, handle: DeviceTransferHandle, result: DeviceTransferResult) -> None:
-        """``handle``'s copies are over: unpin its pages, count it, keep its result."""
-        del self._in_flight[handle.transfer_id]
-        self._host.unpin(handle.host_pages)
-        self._results[result.transfer_id] = result
-        self._totals[result.direction] = self._totals[result.direction].add(result)
+    def collect(self, *, block: bool = False) -> list[DeviceTransferResult]:
+        """Take every finished transfer: unpin its pages, count it, return its result.
 
-    def delivered(self, transfer_id: int) -> None:
-        """The result of ``transfer_id`` was returned through its handle."""
-        self._results.pop(transfer_id, None)
+        Results come in submission order, each once. ``block`` waits for every transfer
+        (on its event) first, so that nothing stays open.
+        """
+        results = []
+        for handle in list(self._open.values()):
+            if not (block or handle.done()):
+                continue
+            result = handle.wait()
+            del self._open[handle.transfer_id]
+            handle._collected()
+            self._host.unpin(handle.host_pages)
+            self._totals[result.direction] = self._totals[result.direction].add(result)
+            results.append(result)
+        return results
 
     def in_flight(self) -> list[DeviceTransferHandle]:
-        """The transfers not yet finished, in submission order."""
-        return list(self._in_flight.values())
+        """The transfers not yet collected (finished or not), in submission order."""
+        return list(self._open.values())
 
     def crossing(
         self, direction: CopyDirection, host_pages: torch.Tensor
@@ -118,32 +125,28 @@ class TransferLedger:
         """
         return [
             handle
-            for handle in self._in_flight.values()
+            for handle in self._open.values()
             if handle.direction is not direction
+            and not handle.done()
             and bool(torch.isin(handle.host_pages, host_pages).any())
         ]
 
-    def take_results(self) -> list[DeviceTransferResult]:
-        """The results not yet returned, in submission order; they count as returned now."""
-        results = [self._results[key] for key in sorted(self._results)]
-        self._results.clear()
-        return results
-
     def metrics(self) -> DeviceTransferMetrics:
-        """A snapshot of the totals."""
+        """A snapshot of the totals of the transfers collected so far."""
         return DeviceTransferMetrics(
             offload=self._totals[CopyDirection.OFFLOAD],
             load=self._totals[CopyDirection.LOAD],
-            in_flight=len(self._in_flight),
+            in_flight=len(self._open),
         )
 
 
 class DeviceTransferHandle:
     """One device<->host transfer, made by the pipeline that submitted it.
 
-    ``done()`` and ``state`` never block; ``wait()`` blocks (on an event, not by polling)
-    and returns the result. A finished transfer's host pages are unpinned the first time
-    any of them (or the pipeline's ``poll``) sees it finished.
+    Queries (``done()``, ``state``, ``error`` and the properties) never block and change
+    nothing: the transfer's host pages stay pinned until the owner collects it with the
+    pipeline's ``poll()``, ``drain()`` or ``close()``. ``wait()`` blocks (on an event, not
+    by polling) and returns the result, without collecting it either.
     """
 
     def __init__(
@@ -161,7 +164,6 @@ class DeviceTransferHandle:
         wall_s: float,
     ) -> None:
         self._pipeline = pipeline
-        self._ledger = ledger
         self._id = transfer_id
         self._direction = direction
         self._host_pages = host_pages
@@ -170,10 +172,8 @@ class DeviceTransferHandle:
         self._plan = plan  # keeps the index tensors alive while the copies run
         self._error = error
         self._wall_s = wall_s  # the latency where there are no events (CPU)
-        self._result: DeviceTransferResult | None = None
+        self._result: DeviceTransferResult | None = None  # the value, once finished
         ledger.opened(self)
-        if events is None:
-            self._finish()
 
     @property
     def pipeline(self) -> DeviceHostPipeline:
@@ -192,7 +192,7 @@ class DeviceTransferHandle:
 
     @property
     def host_pages(self) -> torch.Tensor:
-        """The host pages the transfer reads or writes (pinned until it finishes)."""
+        """The host pages the transfer reads or writes (pinned until it is collected)."""
         return self._host_pages
 
     @property
@@ -210,23 +210,40 @@ class DeviceTransferHandle:
         """``IN_FLIGHT`` until the copies finish, then ``DONE`` or ``FAILED``."""
         if not self.done():
             return DeviceTransferState.IN_FLIGHT
-        assert self._result is not None
-        return self._result.state
+        return DeviceTransferState.DONE if self._error is None else DeviceTransferState.FAILED
+
+    @property
+    def error(self) -> StorageError | None:
+        """Why the transfer failed, once it is ``FAILED``; None while in flight or done."""
+        return self._error if self.done() else None
 
     def done(self) -> bool:
-        """Whether the transfer has finished; never blocks."""
-        if self._result is None and (self._events is None or _finished(self._events.finish)):
-            self._finish()
-        return self._result is not None
+        """Whether the copies have finished (done or failed); never blocks."""
+        return self._result is not None or self._events is None or _finished(self._events.finish)
 
     def wait(self) -> DeviceTransferResult:
-        """Block until the transfer finishes and return its result (also when it failed)."""
+        """Block until the transfer finishes and return its result (also when it failed).
+
+        The same value every time; waiting does not collect the transfer (its host pages
+        stay pinned until the pipeline's ``poll()`` returns the result).
+        """
         if self._result is None:
-            if self._events is not None:
+            if self._events is None:
+                latency = self._wall_s
+            else:
                 self._events.finish.synchronize()
-            self._finish()
-        assert self._result is not None
-        self._ledger.delivered(self._id)
+                latency = float(self._events.start.elapsed_time(self._events.finish)) / 1000.0
+            self._result = DeviceTransferResult(
+                transfer_id=self._id,
+                direction=self._direction,
+                state=DeviceTransferState.DONE
+                if self._error is None
+                else DeviceTransferState.FAILED,
+                pages=self.pages,
+                nbytes=self._nbytes,
+                latency_s=latency,
+                error=self._error,
+            )
         return self._result
 
     def fence(self, stream: torch.cuda.Stream | None = None) -> None:
@@ -239,29 +256,14 @@ class DeviceTransferHandle:
             waiter.wait_event(self._events.finish)
 
     def __repr__(self) -> str:
-        state = self._result.state.value if self._result is not None else "in_flight"
         return (
             f"<{type(self).__name__} #{self._id} {self._direction.value} "
-            f"{self.pages} pages {self._nbytes} B {state}>"
+            f"{self.pages} pages {self._nbytes} B {self.state.value}>"
         )
 
-    def _finish(self) -> None:
-        """Record the result of the finished copies and report it to the ledger."""
-        if self._events is None:
-            latency = self._wall_s
-        else:
-            latency = float(self._events.start.elapsed_time(self._events.finish)) / 1000.0
-        self._result = DeviceTransferResult(
-            transfer_id=self._id,
-            direction=self._direction,
-            state=DeviceTransferState.DONE if self._error is None else DeviceTransferState.FAILED,
-            pages=self.pages,
-            nbytes=self._nbytes,
-            latency_s=latency,
-            error=self._error,
-        )
+    def _collected(self) -> None:
+        """The ledger collected the finished transfer: the copies need the plan no more."""
         self._plan = None
-        self._ledger.finished(self, self._result)
 
 
 def _check_layer(layer: int, layers: int, *, owner: str) -> None:

@@ -25,7 +25,9 @@ calls: one FIFO per :class:`Priority`, most urgent first, with a deadline index.
 
 Locking: a handle shares its pipeline's lock. Only the pipeline that created a handle
 changes it, through the underscore methods below, always with that lock held; readers
-(``state``, ``done``, the properties) see a consistent snapshot without taking it.
+(``state``, ``done``, the properties) see a consistent snapshot without taking it, and
+neither they nor ``wait``, ``result`` and ``partial`` change anything (the pipeline's
+``completions()`` reports the handle all the same).
 """
 
 from __future__ import annotations

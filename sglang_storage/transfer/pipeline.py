@@ -10,7 +10,7 @@ A :class:`StoragePipeline` owns a small pool of worker threads, one bounded queu
   :class:`OperationTimeoutError` (``WAIT``).
 - ``completions(timeout_s)`` - the handles that became terminal since the last call, in the
   order they finished, each reported once (the owner drains its own list; callers never
-  touch a queue).
+  touch a queue), whether or not anyone queried or waited on them.
 - ``metrics()`` - a frozen :class:`PipelineMetrics` snapshot.
 - ``close(drain, timeout_s)`` - stop accepting work, drain or cancel what is queued, join the
   workers within ``timeout_s``, and return a :class:`CloseReport`. Also a context manager.
@@ -31,11 +31,18 @@ and ``late=True``, and is counted as late in the metrics. A queued operation is 
 its deadline as soon as a worker looks for work, the owner submits, or the owner calls
 ``completions()``; no timer thread polls for it.
 
+Completion (the same model as the device<->host pipeline's ``poll()``): only the owner's
+``completions()`` hands finished work over; the handle only observes (``state``,
+``done()``, ``wait()``, ``result()``, ``partial()`` change neither the operation nor what
+``completions()`` reports).
+
 Failures: a backend call that raises :class:`StorageError` fails every operation in that
 call with that error; any other exception fails them with a :class:`StorageError` that
 wraps it (and is logged with its traceback); the worker then serves the next call. A
 per-page failure the backend reports as a result (``GetOutcome.ERROR``...) is that page's
-result and the operation still ends ``DONE``.
+result and the operation still ends ``DONE``. A failed operation's error is on its own
+handle (``error``; ``result()`` raises it); ``completions()``, ``close()`` and later
+submissions never raise it.
 
 Locking: one lock guards all queues, handles and metrics; the pipeline's methods take it
 for bookkeeping only and never hold it during a backend call.

@@ -139,6 +139,9 @@ def test_offload_and_load_match_reference(
             pipe.layer_counter.wait(layer)
         assert load.wait().ok
         assert all(same_bits(a, b) for a, b in zip(want_device, tensors(device), strict=True))
+        held = {h for h, _ in out_pairs} | {h for h, _ in in_pairs}
+        assert host.stats().pinned_bytes == len(held) * g.page_bytes  # waited on, not collected
+        assert [r.transfer_id for r in pipe.poll()] == [offload.transfer_id, load.transfer_id]
         assert host.stats().pinned_bytes == 0
 
 
@@ -194,6 +197,9 @@ def test_load_is_asynchronous_and_layer_waits_order_compute() -> None:
         result = load.wait()
         assert result.ok
         assert result.latency_s > 0.01  # device time, sleeps included
+        assert load.done()
+        assert host.stats().pinned_bytes == 2 * g.page_bytes  # until the owner collects it
+        assert pipe.poll() == [result]
         assert host.stats().pinned_bytes == 0
     assert same_bits(stale, before[LAYERS - 1][rows.cpu()])
     for layer in range(LAYERS):

@@ -72,8 +72,7 @@ def parts() -> Iterator[tuple[KVHostPool, DeviceHostPipeline, TransferLedger]]:
     ledger = TransferLedger(host)
     with DeviceHostPipeline(DeviceKV.allocate(g, 12 * 4, "cpu"), host) as pipe:
         yield host, pipe, ledger
-    for handle in ledger.in_flight():
-        handle.wait()  # the fake event completes; the ledger unpins the pages
+    ledger.collect(block=True)  # the fake events complete; the ledger unpins the pages
     host.close()
 
 
@@ -133,4 +132,6 @@ def test_a_finished_transfer_is_no_longer_waited_for(
     finish.complete = True
     assert handle.done()
     assert ledger.crossing(LOAD, torch.tensor([4])) == []
+    assert host.stats().pinned_bytes == host.geometry.page_bytes  # until collected
+    assert [r.transfer_id for r in ledger.collect()] == [1]
     assert host.stats().pinned_bytes == 0

@@ -336,15 +336,22 @@ def test_each_result_is_returned_once() -> None:
         first = pipe.offload([0], tokens_of([0]))
         second = pipe.load([1], tokens_of([1]))
         third = pipe.offload([2], tokens_of([2]))
-        waited = second.wait()
+        waited = second.wait()  # observes: poll still returns it, once
         polled = pipe.poll()
-        assert [r.transfer_id for r in polled] == [first.transfer_id, third.transfer_id]
-        assert waited.transfer_id == second.transfer_id
+        assert [r.transfer_id for r in polled] == [
+            first.transfer_id,
+            second.transfer_id,
+            third.transfer_id,
+        ]
+        assert polled[1] == waited
         assert pipe.poll() == []
         fourth = pipe.load([3], tokens_of([3]))
         assert [r.transfer_id for r in pipe.drain()] == [fourth.transfer_id]
         assert pipe.drain() == []
         assert pipe.in_flight == 0
+        fifth = pipe.offload([4], tokens_of([4]))
+        assert [r.transfer_id for r in pipe.close()] == [fifth.transfer_id]
+        assert pipe.close() == []
 
 
 def test_metrics_per_direction() -> None:
@@ -480,6 +487,8 @@ def test_pages_are_pinned_during_the_copy_and_released_after() -> None:
         pipe.offload([4, 2], tokens_of([1, 3]))
         pipe.load([6], tokens_of([0]))
         assert backend.pinned_during == [[1, 1], [1]]
+        assert host.stats().pinned_bytes == 3 * g.page_bytes  # finished, not yet collected
+        assert len(pipe.poll()) == 2
         assert host.stats().pinned_bytes == 0
         host.free([4, 2, 6])  # nothing holds them any more
 
@@ -498,6 +507,8 @@ def test_failed_offload_is_a_failed_result_and_unpins() -> None:
         assert isinstance(result.error.__cause__, RuntimeError)
         assert "offload of 2 pages" in str(result.error)
         assert "injected" in str(result.error)
+        assert handle.error is result.error
+        assert pipe.poll() == [result]
         assert host.stats().pinned_bytes == 0
         metrics = pipe.metrics().offload
         assert (metrics.transfers, metrics.failed, metrics.pages, metrics.nbytes) == (1, 1, 0, 0)
@@ -515,6 +526,7 @@ def test_failed_load_refuses_layer_waits() -> None:
         pipe.layer_counter.set_consumer(load)
         with pytest.raises(StateError, match="failed"):
             pipe.layer_counter.wait(0)
+        assert [r.state for r in pipe.poll()] == [DeviceTransferState.FAILED]
         assert host.stats().pinned_bytes == 0
         assert pipe.metrics().load.failed == 1
     # Layer 0 landed before the failure (K is tensor 0, V is tensor LAYERS).
@@ -552,8 +564,8 @@ def test_closed_pipeline_refuses_work() -> None:
     device, host = make_device(g, 37), make_host(g, 38)
     pipe = pipeline(device, host)
     pipe.offload([0], tokens_of([0]))
-    pipe.close()
-    pipe.close()  # twice is fine
+    assert len(pipe.close()) == 1
+    assert pipe.close() == []  # twice is fine
     with pytest.raises(StateError, match="closed"):
         pipe.load([0], tokens_of([0]))
     assert pipe.metrics().offload.transfers == 1
