@@ -623,12 +623,8 @@ class KVCacheManager:
     def poll(self) -> list[KVEvent]:
         """Collect finished transfers: land writes, start backups, acknowledge, release."""
         events: list[KVEvent] = []
-        self._device.poll()  # unpins what finished; results are read from the handles below
-        for tid, (handle, keys) in list(self._device_ops.items()):
-            if not handle.done():
-                continue
-            del self._device_ops[tid]
-            result = handle.wait()  # finished: returns at once, even if the caller waited
+        for result in self._device.poll():  # collected: the host pages are unpinned now
+            _, keys = self._device_ops.pop(result.transfer_id)
             pages = [self._pages[k] for k in keys]
             for p in pages:
                 p.busy -= 1
