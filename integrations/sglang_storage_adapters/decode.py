@@ -75,6 +75,7 @@ from sglang_storage.storage import Backend, create_backend
 from sglang_storage.storage.keys import kv_namespace, model_fingerprint, namespace_seed
 from sglang_storage.transfer import DeviceHostPipeline, DeviceKV, StoragePipeline
 from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.device_checks import check_device_pools
 from sglang_storage_adapters.runtime import RuntimeSettings, runtime_settings
 
 require_supported_sglang()
@@ -215,7 +216,9 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         tree_cache: The scheduler's prefix cache (frees device KV, unlocks the prefix).
 
     Raises:
-        ConfigError: an unsupported device pool, host layout or storage setting.
+        ConfigError: an unsupported device pool, host layout or storage setting; an
+            allocator that can hand out device slots that are not whole pages; decode
+            context parallelism (see :mod:`.device_checks`).
         CapacityError: the host memory budget cannot hold the host pool.
     """
 
@@ -254,6 +257,8 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         self.page_size = int(get_schedule().page_size)
         self.offload_stride = _stride(self.page_size)
         self.kv_cache = token_to_kv_pool_allocator.get_kvcache()
+        # Device pages are named by their first token (row[::page_size] below).
+        check_device_pools(token_to_kv_pool_allocator, self.page_size, owner=_OWNER)
         geometry = host_pool_geometry(self.kv_cache, self.page_size)
         budget = HostMemoryBudget(BudgetConfig(total=geometry.total_bytes, kv=geometry.total_bytes))
         self.host_pool = KVHostPool(geometry, HostMemory(budget), label="decode offload host pool")
