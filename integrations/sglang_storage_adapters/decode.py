@@ -62,21 +62,17 @@ from sglang_storage.managers.decode import (
     DeviceReleased,
     OffloadFailed,
 )
-from sglang_storage.memory import (
-    Attention,
-    BudgetConfig,
-    HostMemory,
-    HostMemoryBudget,
-    KVGeometry,
-    KVHostPool,
-    KVLayout,
-)
-from sglang_storage.storage import Backend, create_backend
-from sglang_storage.storage.keys import kv_namespace, model_fingerprint, namespace_seed
-from sglang_storage.transfer import DeviceHostPipeline, DeviceKV, StoragePipeline
+from sglang_storage.managers.runtime import kv_page_namespace
+from sglang_storage.memory import Attention, KVGeometry, KVHostPool, KVLayout
+from sglang_storage.storage.keys import namespace_seed
+from sglang_storage.transfer import DeviceHostPipeline, DeviceKV
 from sglang_storage_adapters import require_supported_sglang
-from sglang_storage_adapters.device_checks import check_device_pools
-from sglang_storage_adapters.runtime import RuntimeSettings, runtime_settings
+from sglang_storage_adapters.runtime import (
+    RuntimeSettings,
+    process_rank_layout,
+    process_runtime,
+    runtime_settings,
+)
 
 require_supported_sglang()
 
@@ -181,14 +177,6 @@ def _device_kv(kv_cache: Any, geometry: KVGeometry) -> DeviceKV:
     return DeviceKV(geometry=geometry, k=tuple(kv_cache.k_buffer), v=tuple(kv_cache.v_buffer))
 
 
-def _backend(settings: RuntimeSettings, memory: Any) -> Backend:
-    options = dict(settings.backend_options)
-    path = getattr(memory, "file_storage_path", None)
-    if settings.backend == "file" and "root" not in options and isinstance(path, str) and path:
-        options["root"] = path  # SGLang's --file-storage-path, as the HiCache adapter does
-    return create_backend(settings.backend, options)
-
-
 @attrs.define(eq=False)
 class _Tracked:
     """One request the manager tracks, under a unique id (SGLang reuses rids)."""
@@ -216,9 +204,7 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         tree_cache: The scheduler's prefix cache (frees device KV, unlocks the prefix).
 
     Raises:
-        ConfigError: an unsupported device pool, host layout or storage setting; an
-            allocator that can hand out device slots that are not whole pages; decode
-            context parallelism (see :mod:`.device_checks`).
+        ConfigError: an unsupported device pool, host layout or storage setting.
         CapacityError: the host memory budget cannot hold the host pool.
     """
 
@@ -257,28 +243,36 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         self.page_size = int(get_schedule().page_size)
         self.offload_stride = _stride(self.page_size)
         self.kv_cache = token_to_kv_pool_allocator.get_kvcache()
-        # Device pages are named by their first token (row[::page_size] below).
-        check_device_pools(token_to_kv_pool_allocator, self.page_size, owner=_OWNER)
         geometry = host_pool_geometry(self.kv_cache, self.page_size)
-        budget = HostMemoryBudget(BudgetConfig(total=geometry.total_bytes, kv=geometry.total_bytes))
-        self.host_pool = KVHostPool(geometry, HostMemory(budget), label="decode offload host pool")
-        self.backend = _backend(settings, get_memory())
-        self.storage = StoragePipeline(self.backend)
+        # The process's storage runtime: its one host memory budget, its one instance of
+        # the backend (shared with the HiCache adapter, one cap for both), a pipeline.
+        self.runtime = process_runtime(settings)
+        self.host_pool = KVHostPool(
+            geometry, self.runtime.host_memory("decode"), label="decode offload host pool"
+        )
+        try:
+            self._lease = self.runtime.backend(settings.backend, settings.backend_options)
+        except BaseException:
+            self.host_pool.close()
+            raise
+        self.backend = self._lease.backend
+        self.storage = self.runtime.storage_pipeline(self._lease)
         spec = self.host_pool.page_spec
         model = str(get_serving().served_model_name or "unnamed-model")
-        self.namespace = kv_namespace(
-            model_fingerprint(
-                model,
-                pool="kv",
-                attention="mla" if geometry.is_mla else "mha",
-                dtype=spec.dtype,
-                shape=spec.shape,
-                layout=spec.layout,
-                page_size=self.page_size,
-            ),
+        # Derived as the HiCache adapter derives it for this rank, so a HiCache reader of
+        # the same rank (TP, PP, attention CP, decode CP) finds the pages.
+        self.namespace = kv_page_namespace(
+            model,
+            pool="kv",
             mla=geometry.is_mla,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_world_size,
+            shared=geometry.is_mla,
+            dtype=spec.dtype,
+            shape=spec.shape,
+            layout=spec.layout,
+            page_size=self.page_size,
+            ranks=process_rank_layout(
+                page_size=self.page_size, tp_rank=self.tp_rank, tp_size=self.tp_world_size
+            ),
         )
         # MLA pages are the same on every TP rank and share one namespace: rank 0 stores
         # them; the others copy and release in step with it but store nothing.
@@ -310,11 +304,14 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
     # ------------------------------------------------------------------ SGLang's seam
 
     def release_host_resources(self) -> None:
-        """Finish pending backups (bounded wait), then close storage and the host pool."""
+        """Finish pending backups (bounded wait), close the pipeline and the host pool.
+
+        The backend is released (the process's last user closes it).
+        """
         report = self.storage.close(timeout_s=30.0)
         if not report.clean:
             log.warning("sglang_storage decode offload: storage closed unclean: %s", report)
-        self.backend.close()
+        self._lease.release()
         if not self.manager.copying:
             self.host_pool.close()
 

@@ -293,12 +293,18 @@ class DeviceKV:
     def trusted_pages(self, tokens: torch.Tensor | Sequence[int], *, owner: str) -> torch.Tensor:
         """The device page numbers of ``tokens``, trusted to list whole pages; no device sync.
 
+        The caller must guarantee that every ``page_size`` tokens of ``tokens`` are one
+        whole page: ``page_size`` consecutive tokens starting at a multiple of
+        ``page_size``, in this pool's index space. Each page is named by its first token
+        divided by ``page_size``, so a misaligned run is copied as the page its first token
+        falls in, silently (tokens ``1 .. 4`` of pages of 4 become tokens ``0 .. 3``).
         Only what needs no look at the values is checked: a 1-D integer tensor (or ints)
-        whose length is a multiple of ``page_size``. Each page is named by its first token,
-        and a device tensor stays on its device, so nothing waits for the GPU. Partial,
-        out-of-range or repeated pages are not detected: the caller vouches for them, as
-        SGLang's own transfer kernels do for its allocator's indices (on CUDA an
-        out-of-range index is a device-side error).
+        whose length is a multiple of ``page_size``; a device tensor stays on its device, so
+        nothing waits for the GPU. Partial, misaligned, out-of-range or repeated pages are
+        not detected (on CUDA an out-of-range index is a device-side error). Callers
+        establish the guarantee once, where the indices come from (the SGLang adapters
+        accept only allocators that hand out whole pages); :meth:`device_pages` checks
+        every call instead.
 
         Raises:
             ConfigError: not a 1-D integer tensor or sequence of ints, or not whole pages.
