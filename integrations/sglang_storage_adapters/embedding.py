@@ -69,7 +69,7 @@ from typing import Any, Final
 import attrs
 import torch
 
-from sglang_storage.config import instance_of, non_empty_str
+from sglang_storage.config import instance_of, non_empty_str, optional
 from sglang_storage.core import GetOutcome, PutOutcome
 from sglang_storage.errors import CapacityError, ConfigError, StateError, StorageError
 from sglang_storage.managers.embedding import (
@@ -79,22 +79,21 @@ from sglang_storage.managers.embedding import (
     EmbeddingFetched,
     EmbeddingState,
 )
+from sglang_storage.managers.runtime import BackendLease, StorageRuntime
 from sglang_storage.memory import (
-    BudgetConfig,
     EmbeddingPool,
     EmbeddingPoolConfig,
     HostMemory,
-    HostMemoryBudget,
     dtype_name,
     tensor_bytes,
 )
 from sglang_storage.policy import LRUPolicy
-from sglang_storage.storage import Backend, create_backend
+from sglang_storage.storage import Backend
 from sglang_storage.storage.backend import MemoryRegistrar
 from sglang_storage.storage.keys import model_fingerprint
 from sglang_storage.transfer import StoragePipeline, StoragePipelineConfig
 from sglang_storage_adapters import require_supported_sglang
-from sglang_storage_adapters.runtime import runtime_settings
+from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
 
 require_supported_sglang()
 
@@ -188,6 +187,17 @@ class EmbeddingSettings:
     """Its options (JSON shapes)."""
     model: str = attrs.field(validator=non_empty_str)
     """The model the embeddings belong to (SGLang's ``--model-path``); names the namespace."""
+    runtime: RuntimeSettings | None = attrs.field(
+        default=None, validator=optional(instance_of(RuntimeSettings))
+    )
+    """The process's settings these came from (``None``: just this backend)."""
+
+    def storage_runtime(self) -> StorageRuntime:
+        """The process's storage runtime: the host memory budget and shared backends."""
+        runtime = self.runtime or RuntimeSettings(
+            backend=self.backend, backend_options=self.backend_options, managers=(_MANAGER,)
+        )
+        return process_runtime(runtime)
 
 
 def embedding_settings(server_args: object) -> EmbeddingSettings | None:
@@ -206,6 +216,7 @@ def embedding_settings(server_args: object) -> EmbeddingSettings | None:
         backend=runtime.backend,
         backend_options=dict(runtime.backend_options),
         model=model if isinstance(model, str) and model else "unnamed-model",
+        runtime=runtime,
     )
 
 
@@ -234,7 +245,8 @@ class StorageEmbeddingStore(_store_module.EmbeddingStore):  # type: ignore[misc]
     own controller calls, raise :class:`~sglang_storage.errors.StateError`.
 
     Args:
-        settings: The backend to build.
+        settings: The backend to use: the process's shared instance of it, from the
+            storage runtime (capped backends get their eviction policy there).
         backend: An already built backend to use instead (it is closed by :meth:`close`).
 
     Raises:
@@ -244,7 +256,12 @@ class StorageEmbeddingStore(_store_module.EmbeddingStore):  # type: ignore[misc]
 
     def __init__(self, settings: EmbeddingSettings, backend: Backend | None = None) -> None:
         self._settings = settings
-        self._backend = backend or create_backend(settings.backend, settings.backend_options)
+        self._runtime = settings.storage_runtime()
+        self._lease: BackendLease | None = None
+        if backend is None:
+            self._lease = self._runtime.backend(settings.backend, settings.backend_options)
+            backend = self._lease.backend
+        self._backend = backend
         self._namespace_models: list[str] = []
         self._lock = threading.Lock()
 
@@ -257,6 +274,17 @@ class StorageEmbeddingStore(_store_module.EmbeddingStore):  # type: ignore[misc]
     def backend(self) -> Backend:
         """The backend the objects live in."""
         return self._backend
+
+    @property
+    def runtime(self) -> StorageRuntime:
+        """The process's storage runtime (host memory for the controller's pools)."""
+        return self._runtime
+
+    def pipeline(self, config: StoragePipelineConfig) -> StoragePipeline:
+        """A new storage pipeline on the backend, for one pool of a controller."""
+        if self._lease is not None:
+            return self._runtime.storage_pipeline(self._lease, config)
+        return StoragePipeline(self._backend, config)
 
     def use_namespace(self, config: EmbeddingCacheConfig) -> None:
         """Include ``config``'s namespace in :meth:`batch_is_exist` (a pool registers it)."""
@@ -311,8 +339,11 @@ class StorageEmbeddingStore(_store_module.EmbeddingStore):  # type: ignore[misc]
         raise self._unsupported("batch_put_from_multi_buffers")
 
     def close(self) -> None:
-        """Close the backend."""
-        self._backend.close()
+        """Release the shared backend (its last user closes it), or close the given one."""
+        if self._lease is not None:
+            self._lease.release()
+        else:
+            self._backend.close()
 
 
 # ---------------------------------------------------------------------- one modality pool
@@ -331,7 +362,7 @@ class _Tier:
         memory: HostMemory,
         model: str,
         rank: int,
-        backend: Backend | None,
+        store: StorageEmbeddingStore | None,
     ) -> None:
         self.label = label
         self.dim = dim
@@ -342,8 +373,9 @@ class _Tier:
         self.pool = EmbeddingPool(config, memory)
         self.page_bytes = config.page_rows * config.row_bytes
         self.pipeline: StoragePipeline | None = None
-        if backend is not None:
-            self.pipeline = StoragePipeline(backend, StoragePipelineConfig(workers=2))
+        if store is not None:
+            backend = store.backend
+            self.pipeline = store.pipeline(StoragePipelineConfig(workers=2))
             if backend.capabilities.registers_memory:
                 registrar: MemoryRegistrar = backend  # type: ignore[assignment]
                 registrar.register_memory(tensor_bytes(self.pool.buffer.tensor))
@@ -365,11 +397,6 @@ class _Tier:
             self.pipeline.close()
         self.manager.poll()  # releases what the closed pipeline finished
         self.pool.close()
-
-
-def _host_memory(capacity: int) -> HostMemory:
-    """A budget for ``capacity`` bytes of embedding pools (page-locked where CUDA exists)."""
-    return HostMemory(HostMemoryBudget(BudgetConfig(total=capacity, embedding=capacity)))
 
 
 # ---------------------------------------------------------------------- the controller
@@ -472,7 +499,8 @@ class StorageEmbeddingCacheController(_controller_module.EmbeddingCacheControlle
                 self.dims[label],
                 sizes[label],
             )
-        self._memory = _host_memory(sum(usable.values())) if usable else None
+        # The process's one host memory budget, shared with every other adapter.
+        self._memory = embedding_store.runtime.host_memory(_MANAGER) if usable else None
         settings = embedding_store.settings
         self._tiers: dict[str, _Tier] = {}
         try:
@@ -486,7 +514,7 @@ class StorageEmbeddingCacheController(_controller_module.EmbeddingCacheControlle
                     memory=self._memory,
                     model=_namespace_model(settings, "encoder", self.dims[label], dtype),
                     rank=self.tp_rank,
-                    backend=embedding_store.backend,
+                    store=embedding_store,
                 )
                 self._tiers[label] = tier
                 embedding_store.use_namespace(tier.config)
@@ -970,10 +998,10 @@ class StorageMultiModalCache(_static_module.MultiModalStaticCache):  # type: ign
             dim=dim,
             dtype=dtype,
             capacity=self.host_bytes,
-            memory=_host_memory(self.host_bytes),
+            memory=self._settings.storage_runtime().host_memory(_MANAGER),
             model=_namespace_model(self._settings, "prefix", dim, dtype),
             rank=0,
-            backend=None,
+            store=None,
         )
         self._host[(dim, dtype)] = (tier, rows.device)
         return tier

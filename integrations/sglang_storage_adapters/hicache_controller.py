@@ -76,7 +76,6 @@ from sglang_storage.transfer import (
 )
 from sglang_storage.transfer.device_kv import DeviceKV
 from sglang_storage_adapters import require_supported_sglang
-from sglang_storage_adapters.device_checks import check_device_pools
 from sglang_storage_adapters.hicache_storage import HiCacheBackend
 from sglang_storage_adapters.runtime import runtime_settings
 
@@ -156,13 +155,26 @@ class StorageHostPool:
     def _allocate_host_buffer(self) -> None:
         # Replaces SGLang's: its budget check and cudaHostRegister become ours.
         from sglang.srt.mem_cache.pool_host.base import ranks_per_host
+        from sglang.srt.runtime_context import get_server_args
+
+        from sglang_storage_adapters.runtime import process_runtime
 
         geometry = self._geometry()
         nbytes = geometry.total_bytes
-        # Checked at start-up against this host's memory, shared by its ranks (as SGLang).
-        config = BudgetConfig(total=nbytes, kv=nbytes, ranks_per_host=ranks_per_host())
-        budget = HostMemoryBudget(config)
-        self.storage_pool = KVHostPool(geometry, HostMemory(budget), label="HiCache KV host pool")
+        try:
+            settings = runtime_settings(get_server_args())
+        except ValueError:  # no server args published: a pool built on its own
+            settings = None
+        memory: HostMemory
+        if settings is not None:
+            # The process's one budget, shared with every other adapter (checked against
+            # this host's memory, shared by its ranks).
+            memory = process_runtime(settings).host_memory("kv")
+        else:
+            # Checked at start-up against this host's memory, shared by its ranks (as SGLang).
+            config = BudgetConfig(total=nbytes, kv=nbytes, ranks_per_host=ranks_per_host())
+            memory = HostMemory(HostMemoryBudget(config))
+        self.storage_pool = KVHostPool(geometry, memory, label="HiCache KV host pool")
         self.kv_buffer = self.storage_pool.kv_buffer
         self.fd = None
         log.info(
@@ -576,7 +588,6 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
                 value=type(host).__name__,
                 reason="must be the sglang_storage KV host pool",
             )
-        check_device_pools(token_to_kv_pool_allocator, page_size, host_pool=host, owner=_OWNER)
         # SGLang's allocator hands out the device indices; like SGLang's own transfer
         # kernels, the pipeline trusts them, so a write or load never waits for the GPU.
         config = DeviceTransferConfig(io_backend="auto", check_device_tokens=False)

@@ -77,9 +77,7 @@ from typing import Any, Final, Protocol, TypeVar, cast
 import attrs
 import torch
 
-from sglang_storage.config import build_config
 from sglang_storage.core import (
-    EvictionPolicy,
     GetRequest,
     GetResult,
     Namespace,
@@ -87,20 +85,20 @@ from sglang_storage.core import (
     PutRequest,
     PutResult,
 )
-from sglang_storage.errors import ConfigError, StorageError
+from sglang_storage.errors import BackendUnavailableError, ConfigError, StorageError
+from sglang_storage.managers.runtime import BackendLease, StorageRuntime, kv_page_namespace
 from sglang_storage.memory import tensor_bytes
-from sglang_storage.policy.eviction import EvictionConfig, make_eviction_policy
-from sglang_storage.storage import (
-    Backend,
-    BackendStats,
-    backend_entry,
-    backend_names,
-    create_backend,
-)
+from sglang_storage.policy.eviction import EvictionConfig
+from sglang_storage.storage import Backend, BackendStats
 from sglang_storage.storage.backend import MemoryRegistrar, count_prefix
-from sglang_storage.storage.keys import kv_namespace, model_fingerprint
 from sglang_storage_adapters import require_supported_sglang
 from sglang_storage_adapters._sglang_pools import PoolPages, SGLangHostPool
+from sglang_storage_adapters.runtime import (
+    RuntimeSettings,
+    parse_settings,
+    process_runtime,
+    storage_rank_layout,
+)
 
 require_supported_sglang()
 
@@ -118,13 +116,6 @@ log = logging.getLogger(__name__)
 ADAPTER_NAME: Final = "sglang_storage"
 """The ``backend_name`` this adapter is configured under."""
 
-_OWNER: Final = "sglang_storage HiCache extra config"
-_SGLANG_KEYS: Final = frozenset(
-    {"backend_name", "module_path", "class_name", "interface_v1", "allocator", "file_storage_path"}
-)
-_OUR_KEYS: Final = frozenset(
-    {"storage_backend", "storage_options", "storage_managers", "storage_load_policy", "eviction"}
-)
 _KV: Final = "kv"
 _MAMBA: Final = "mamba"
 _SAFE_NAME: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,159}")
@@ -167,71 +158,28 @@ class AdapterSettings:
     """That backend's options."""
     eviction: EvictionConfig | None
     """The eviction policy of a capacity-capped backend (``None``: LRU when capped)."""
+    runtime: RuntimeSettings
+    """The process's sglang_storage settings the extra config carries."""
 
 
 def parse_extra_config(extra_config: Mapping[str, object] | None) -> AdapterSettings:
     """Validate SGLang's ``storage_config.extra_config`` for this adapter.
+
+    The extra config is parsed by :func:`~.runtime.parse_settings`, the parser every
+    adapter of the process uses.
 
     Raises:
         ConfigError: an unknown key; ``storage_backend`` missing or not a registered
             backend (the message lists those that are); ``storage_options`` or
             ``eviction`` not a mapping, or an invalid eviction setting.
     """
-    extra = dict(extra_config or {})
-    unknown = sorted(set(extra) - _SGLANG_KEYS - _OUR_KEYS)
-    if unknown:
-        raise ConfigError(
-            owner=_OWNER,
-            field=", ".join(unknown),
-            reason="unknown key" + ("s" if len(unknown) > 1 else ""),
-            allowed=", ".join(sorted(_SGLANG_KEYS | _OUR_KEYS)),
-        )
-    name = extra.get("storage_backend")
-    if "storage_backend" not in extra:
-        raise ConfigError(
-            owner=_OWNER,
-            field="storage_backend",
-            reason="is required: the sglang_storage backend that stores the pages",
-            allowed=", ".join(backend_names()),
-        )
-    if not isinstance(name, str) or not name:
-        raise ConfigError(
-            owner=_OWNER,
-            field="storage_backend",
-            value=name,
-            reason="must name the sglang_storage backend that stores the pages",
-            allowed=", ".join(backend_names()),
-        )
-    try:
-        backend_entry(name)
-    except ConfigError as error:
-        raise error.renamed(owner=_OWNER, field="storage_backend") from None
-    options = extra.get("storage_options", {})
-    if not isinstance(options, Mapping):
-        raise ConfigError(
-            owner=_OWNER,
-            field="storage_options",
-            value=options,
-            reason="must be a mapping of the backend's option names to values",
-            allowed='a JSON object, e.g. {"root": "/path"}',
-        )
-    options = dict(options)
-    path = extra.get("file_storage_path")
-    if name == "file" and "root" not in options and isinstance(path, str) and path:
-        options["root"] = path  # SGLang's --file-storage-path
-    eviction_data = extra.get("eviction")
-    eviction: EvictionConfig | None = None
-    if eviction_data is not None:
-        if not isinstance(eviction_data, Mapping):
-            raise ConfigError(
-                owner=_OWNER,
-                field="eviction",
-                value=eviction_data,
-                reason="must be a mapping of eviction settings",
-                allowed='a JSON object, e.g. {"name": "lru"}',
-            )
-        eviction = build_config(EvictionConfig, eviction_data, owner=f"{_OWNER}.eviction")
-    return AdapterSettings(storage_backend=name, storage_options=options, eviction=eviction)
+    settings = parse_settings(dict(extra_config or {}))
+    return AdapterSettings(
+        storage_backend=settings.backend,
+        storage_options=settings.backend_options,
+        eviction=settings.eviction,
+        runtime=settings,
+    )
 
 
 def _pool_key(name: object) -> str:
@@ -317,10 +265,6 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     def __init__(self, storage_config: Any, kwargs: Mapping[str, object] | None = None) -> None:
         config: _StorageConfig = storage_config
         settings = parse_extra_config(config.extra_config)
-        capped = "capacity_bytes" in settings.storage_options
-        eviction: EvictionPolicy[ObjectKey] | None = None
-        if settings.eviction is not None or capped:
-            eviction = make_eviction_policy(settings.eviction or EvictionConfig())
         self._settings = settings
         self._config = config
         self._writer = bool(config.is_storage_writer)
@@ -341,9 +285,11 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         self._pools_lock = threading.Lock()
         self._anchor: _Pool | None = None
         self._registered: set[int] = set()
-        self._backend: Backend = create_backend(
-            settings.storage_backend, settings.storage_options, eviction=eviction
-        )
+        # The process's one instance of the backend, shared with every other adapter.
+        self._runtime = process_runtime(settings.runtime)
+        self._lease = self._runtime.backend(settings.storage_backend, settings.storage_options)
+        self._backend: Backend = self._lease.backend
+        self._closed = False
         log.info(
             "sglang_storage HiCache backend: %s backend, rank tp%d/%d pp%d/%d cp%d/%d, %s",
             settings.storage_backend,
@@ -360,8 +306,18 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
 
     @property
     def backend(self) -> Backend:
-        """The backend that stores the pages."""
+        """The backend that stores the pages (the process's shared instance)."""
         return self._backend
+
+    @property
+    def runtime(self) -> StorageRuntime:
+        """The process's storage runtime the backend comes from."""
+        return self._runtime
+
+    @property
+    def lease(self) -> BackendLease:
+        """This adapter's hold on the shared backend (released by :meth:`close`)."""
+        return self._lease
 
     @property
     def settings(self) -> AdapterSettings:
@@ -476,31 +432,16 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         if pages.logical:
             return _Pool(pages=pages, namespace=None, shared=shared)
         spec = pages.spec
-        facts: dict[str, object] = {
-            "pool": name,
-            "attention": "mla" if config.is_mla_model else "mha",
-            "dtype": spec.dtype,
-            "shape": spec.shape,
-            "layout": spec.layout,
-            "page_size": pages.tokens_per_page,
-        }
-        if config.dcp_size > 1:
-            # SGLang's own DCP suffix: equivalent MLA shards of other DCP groups share.
-            facts.update(
-                dcp_rank=config.dcp_rank,
-                dcp_size=config.dcp_size,
-                tp_size=config.tp_size,
-                logical_page_size=config.logical_page_size,
-            )
-        namespace = kv_namespace(
-            model_fingerprint(self._model, **facts),
-            mla=shared,
-            tp_rank=config.tp_rank,
-            tp_size=config.tp_size,
-            pp_rank=config.pp_rank,
-            pp_size=config.pp_size,
-            cp_rank=config.attn_cp_rank,
-            cp_size=config.attn_cp_size,
+        namespace = kv_page_namespace(
+            self._model,
+            pool=name,
+            mla=bool(config.is_mla_model),
+            shared=shared,
+            dtype=spec.dtype,
+            shape=spec.shape,
+            layout=spec.layout,
+            page_size=pages.tokens_per_page,
+            ranks=storage_rank_layout(config, page_size=pages.tokens_per_page),
         )
         return _Pool(pages=pages, namespace=namespace, shared=shared)
 
@@ -529,6 +470,12 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             )
         return self._anchor
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendUnavailableError(
+                backend=ADAPTER_NAME, reason="this HiCache backend was closed"
+            )
+
     def _skips_writes(self, pool: _Pool) -> bool:
         return pool.shared and not self._writer
 
@@ -537,6 +484,7 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     def _guard(self, what: str, fallback: R, call: Callable[[], R]) -> R:
         """Run ``call``; report a failure of the whole call as ``fallback``."""
         try:
+            self._check_open()
             return call()
         except StorageError as error:
             log.warning("sglang_storage HiCache %s failed: %s", what, error)
@@ -907,6 +855,7 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         Raises:
             StorageError: the backend failed to clear (SGLang reports the clear failed).
         """
+        self._check_open()
         with self._pools_lock:
             namespaces = {p.namespace for p in self._pools.values() if p.namespace is not None}
         for namespace in sorted(namespaces, key=str):
@@ -917,8 +866,12 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         return self._metrics.drain()
 
     def close(self) -> None:
-        """Close the backend; later calls report misses. Closing twice is a no-op."""
-        self._backend.close()
+        """Release the shared backend (the last user closes it); later calls report misses.
+
+        Closing twice is a no-op.
+        """
+        self._closed = True
+        self._lease.release()
 
 
 def _apply_policy(

@@ -1,29 +1,91 @@
-"""The ``--storage-*`` settings a running SGLang process was started with.
+"""The ``--storage-*`` settings of a running SGLang process, and its one storage runtime.
 
 The flags (:mod:`.flags`) travel inside SGLang's own ``ServerArgs``, as the
 ``--hicache-storage-backend-extra-config`` of the ``dynamic`` backend, so every process
-SGLang starts (schedulers, encoder ranks, decode workers) sees them. Adapters ask
-:func:`runtime_settings` whether sglang_storage is on and which managers it serves; when
-it returns ``None`` they leave SGLang's behaviour unchanged.
+SGLang starts (schedulers, encoder ranks, decode workers) sees them.
+
+- :func:`parse_settings` - the one parser of that extra config: every adapter (and the
+  HiCache backend SGLang's ``dynamic`` seam builds) reads its settings through it.
+- :func:`runtime_settings` - the settings SGLang's ``ServerArgs`` carry, or ``None`` when
+  sglang_storage is not configured (then adapters leave SGLang unchanged).
+- :func:`process_runtime` - the process's
+  :class:`~sglang_storage.managers.runtime.StorageRuntime` for those settings, built once:
+  every adapter takes its host memory (``runtime.host_memory(component)``), its backend
+  (``runtime.backend(settings.backend, settings.backend_options)``, one shared instance,
+  capped with an eviction policy) and its pipelines (``runtime.storage_pipeline(lease)``)
+  from it.
+- :func:`storage_rank_layout` / :func:`process_rank_layout` - the rank coordinates KV pages
+  are placed by, from SGLang's ``HiCacheStorageConfig`` or from the process's parallel
+  state (the same values SGLang's ``_generate_storage_config`` puts in that config), for
+  :func:`~sglang_storage.managers.runtime.kv_page_namespace`.
+
+Extra-config keys (any other is a :class:`~sglang_storage.errors.ConfigError`):
+``storage_backend`` (required), ``storage_options``, ``storage_managers``, ``eviction``
+(the policy of a capped backend), ``host_memory`` (the process's host memory budget; when
+absent, what the components ask, up to the host's share per rank), ``host_reservations``
+(bytes per component: ``kv``, ``decode``, ``sparse``, ``embedding``),
+``storage_load_policy`` (read by the HiCache controller); and SGLang's own
+(``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, ``allocator``,
+``file_storage_path``, ``prefetch_*``, ``hicache_storage_pass_prefix_keys``,
+``tp_lcm_size``).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import types
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 import attrs
 
-from sglang_storage.config import non_empty_str, one_of, tuple_of
+from sglang_storage.config import BYTES, build_config, non_empty_str, one_of, optional, tuple_of
+from sglang_storage.config import non_negative_int as _non_negative_int
 from sglang_storage.errors import ConfigError
+from sglang_storage.managers.runtime import COMPONENTS, RankLayout, RuntimeConfig, StorageRuntime
+from sglang_storage.policy.eviction import EvictionConfig
+from sglang_storage.storage import backend_entry, backend_names
+from sglang_storage.units import parse_bytes
 from sglang_storage_adapters.flags import DYNAMIC_BACKEND_NAME, MANAGER_NAMES
 
-__all__ = ["RuntimeSettings", "runtime_settings"]
+__all__ = [
+    "RuntimeSettings",
+    "parse_settings",
+    "process_rank_layout",
+    "process_runtime",
+    "runtime_settings",
+    "storage_rank_layout",
+]
 
 _OWNER: Final = "sglang_storage runtime settings (--hicache-storage-backend-extra-config)"
 _DEFAULT_MANAGERS: Final = ("kv",)
+_SGLANG_KEYS: Final = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "allocator",
+        "file_storage_path",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+    }
+)
+_OUR_KEYS: Final = frozenset(
+    {
+        "storage_backend",
+        "storage_options",
+        "storage_managers",
+        "eviction",
+        "host_memory",
+        "host_reservations",
+        "storage_load_policy",
+    }
+)
 
 
 def _frozen(options: Mapping[str, object]) -> Mapping[str, object]:
@@ -32,16 +94,25 @@ def _frozen(options: Mapping[str, object]) -> Mapping[str, object]:
 
 @attrs.frozen(kw_only=True)
 class RuntimeSettings:
-    """Which backend stores data and which managers serve SGLang in this process."""
+    """Which backend stores data, which managers serve SGLang, and the host memory budget."""
 
     backend: str = attrs.field(validator=non_empty_str)
     """The registered sglang_storage backend name (``--storage-backend``)."""
     backend_options: Mapping[str, object] = attrs.field(factory=dict, converter=_frozen)
-    """Its options (``--storage-backend-config``), as JSON shapes."""
+    """Its options (``--storage-backend-config``), as JSON shapes; a ``file`` backend
+    without ``root`` has SGLang's ``--file-storage-path`` as its root."""
     managers: tuple[str, ...] = attrs.field(
         default=_DEFAULT_MANAGERS, validator=tuple_of(one_of(*MANAGER_NAMES))
     )
     """The data-kind managers switched on (``--storage-managers``)."""
+    eviction: EvictionConfig | None = None
+    """The eviction policy of a capped backend (``None``: LRU)."""
+    host_memory: int | None = attrs.field(
+        default=None, metadata=BYTES, validator=optional(_non_negative_int)
+    )
+    """The process's host memory budget in bytes (``None``: the components' asks)."""
+    host_reservations: tuple[tuple[str, int], ...] = ()
+    """Bytes reserved per component, as ``(component, bytes)`` pairs."""
 
     def enabled(self, manager: str) -> bool:
         """Whether ``manager`` (one of :data:`~.flags.MANAGER_NAMES`) is switched on."""
@@ -55,6 +126,147 @@ class RuntimeSettings:
             )
         return manager in self.managers
 
+    def runtime_config(self, *, ranks_per_host: int = 1) -> RuntimeConfig:
+        """The storage runtime these settings ask for, on a host shared by that many ranks.
+
+        Raises:
+            ConfigError: the reservations do not fit in ``host_memory``.
+        """
+        reserved = dict(self.host_reservations)
+        try:
+            return RuntimeConfig(
+                host_memory=self.host_memory,
+                kv=reserved.get("kv", 0),
+                decode=reserved.get("decode", 0),
+                sparse=reserved.get("sparse", 0),
+                embedding=reserved.get("embedding", 0),
+                eviction=self.eviction,
+                ranks_per_host=ranks_per_host,
+            )
+        except ConfigError as error:
+            raise error.renamed(owner=_OWNER) from None
+
+
+def parse_settings(
+    extra: Mapping[str, object], *, file_storage_path: str | None = None
+) -> RuntimeSettings:
+    """Validate the extra config that names sglang_storage (SGLang's ``extra_config``).
+
+    ``file_storage_path`` (SGLang's ``--file-storage-path``) is the ``file`` backend's
+    root when neither the options nor the extra config's own ``file_storage_path`` give one.
+
+    Raises:
+        ConfigError: an unknown key; ``storage_backend`` missing or not a registered
+            backend (the message lists those that are); ``storage_options``, ``eviction``
+            or ``host_reservations`` not an object; unknown managers, components or an
+            invalid eviction setting or size.
+    """
+    unknown = sorted(set(extra) - _SGLANG_KEYS - _OUR_KEYS)
+    if unknown:
+        raise ConfigError(
+            owner=_OWNER,
+            field=", ".join(unknown),
+            reason="unknown key" + ("s" if len(unknown) > 1 else ""),
+            allowed=", ".join(sorted(_SGLANG_KEYS | _OUR_KEYS)),
+        )
+    backend = extra.get("storage_backend")
+    if not isinstance(backend, str) or not backend:
+        missing = "storage_backend" not in extra
+        raise ConfigError(
+            owner=_OWNER,
+            field="storage_backend",
+            value=None if missing else backend,
+            reason=(
+                "is required: the sglang_storage backend that stores the pages"
+                if missing
+                else "must name the sglang_storage backend that stores the pages"
+            ),
+            allowed=f"a registered backend name: {', '.join(backend_names())}",
+        )
+    try:
+        backend_entry(backend)
+    except ConfigError as error:
+        raise error.renamed(owner=_OWNER, field="storage_backend") from None
+    options = extra.get("storage_options", {})
+    if not isinstance(options, Mapping):
+        raise ConfigError(
+            owner=_OWNER,
+            field="storage_options",
+            value=options,
+            reason="must be a mapping of the backend's option names to values",
+            allowed='a JSON object, e.g. {"root": "/path"}',
+        )
+    options = dict(options)
+    path = extra.get("file_storage_path") or file_storage_path
+    if backend == "file" and "root" not in options and isinstance(path, str) and path:
+        options["root"] = path  # SGLang's --file-storage-path
+    managers = extra.get("storage_managers", list(_DEFAULT_MANAGERS))
+    if not isinstance(managers, list | tuple):
+        raise ConfigError(
+            owner=_OWNER,
+            field="storage_managers",
+            value=managers,
+            reason="must be a list of manager names",
+            allowed=", ".join(MANAGER_NAMES),
+        )
+    eviction = _eviction(extra.get("eviction"))
+    host_memory = extra.get("host_memory")
+    try:
+        return RuntimeSettings(
+            backend=backend,
+            backend_options=options,
+            managers=tuple(managers),
+            eviction=eviction,
+            host_memory=None if host_memory is None else _size(host_memory, "host_memory"),
+            host_reservations=_reservations(extra.get("host_reservations")),
+        )
+    except ConfigError as error:
+        raise error.renamed(owner=_OWNER) from None
+
+
+def _eviction(data: object) -> EvictionConfig | None:
+    if data is None:
+        return None
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            owner=_OWNER,
+            field="eviction",
+            value=data,
+            reason="must be a mapping of eviction settings",
+            allowed='a JSON object, e.g. {"name": "lru"}',
+        )
+    return build_config(EvictionConfig, data, owner=f"{_OWNER}.eviction")
+
+
+def _size(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(
+            owner=_OWNER,
+            field=field,
+            value=value,
+            reason="must be a size in bytes",
+            allowed='an int, or a string such as "64GiB"',
+        )
+    return value if isinstance(value, int) else parse_bytes(value, owner=_OWNER, field=field)
+
+
+def _reservations(data: object) -> tuple[tuple[str, int], ...]:
+    if data is None:
+        return ()
+    if not isinstance(data, Mapping) or not all(name in COMPONENTS for name in data):
+        raise ConfigError(
+            owner=_OWNER,
+            field="host_reservations",
+            value=data,
+            reason="must map components to the bytes reserved for them",
+            allowed=f"a JSON object with keys among {', '.join(COMPONENTS)}",
+        )
+    return tuple(
+        (name, _size(data[name], f"host_reservations.{name}"))
+        for name in COMPONENTS
+        if name in data
+    )
+
 
 def runtime_settings(server_args: object) -> RuntimeSettings | None:
     """The sglang_storage settings ``server_args`` (SGLang's ``ServerArgs``) carry.
@@ -64,7 +276,7 @@ def runtime_settings(server_args: object) -> RuntimeSettings | None:
 
     Raises:
         ConfigError: the extra config is not a JSON object, or names sglang_storage with
-            a missing backend or unknown managers.
+            settings :func:`parse_settings` refuses.
     """
     if getattr(server_args, "hicache_storage_backend", None) != "dynamic":
         return None
@@ -94,38 +306,102 @@ def runtime_settings(server_args: object) -> RuntimeSettings | None:
         )
     if extra.get("backend_name") != DYNAMIC_BACKEND_NAME:
         return None
-    managers = extra.get("storage_managers", list(_DEFAULT_MANAGERS))
-    if not isinstance(managers, list | tuple):
-        raise ConfigError(
-            owner=_OWNER,
-            field="storage_managers",
-            value=managers,
-            reason="must be a list of manager names",
-            allowed=", ".join(MANAGER_NAMES),
-        )
-    options = extra.get("storage_options", {})
-    if not isinstance(options, Mapping):
-        raise ConfigError(
-            owner=_OWNER,
-            field="storage_options",
-            value=options,
-            reason="must be an object of the backend's options",
-            allowed='a JSON object, e.g. {"root": "/path"}',
-        )
-    backend = extra.get("storage_backend")
-    if not isinstance(backend, str):
-        raise ConfigError(
-            owner=_OWNER,
-            field="storage_backend",
-            value=backend,
-            reason="must name the sglang_storage backend",
-            allowed="a registered backend name, e.g. file",
-        )
+    path = getattr(server_args, "file_storage_path", None)
+    if path is None:
+        path = _published_file_storage_path()
+    return parse_settings(extra, file_storage_path=path if isinstance(path, str) else None)
+
+
+def _published_file_storage_path() -> str | None:
+    """SGLang's ``--file-storage-path`` of this process (SGLang's namespaces lack it)."""
+    from sglang.srt.runtime_context import get_server_args
+
     try:
-        return RuntimeSettings(
-            backend=backend,
-            backend_options=options,
-            managers=tuple(managers),
-        )
-    except ConfigError as error:
-        raise error.renamed(owner=_OWNER) from None
+        path = get_server_args().file_storage_path
+    except (ValueError, AttributeError):  # no server args published
+        return None
+    return path if isinstance(path, str) and path else None
+
+
+# ---------------------------------------------------------------------- the runtime
+
+_RUNTIMES: dict[RuntimeConfig, StorageRuntime] = {}
+_runtimes_lock = threading.Lock()
+
+
+def process_runtime(settings: RuntimeSettings) -> StorageRuntime:
+    """This process's storage runtime for ``settings`` (built on first use, then shared).
+
+    Every adapter of a process gets the same runtime, hence one budget and one instance
+    of each backend. The budget's ``ranks_per_host`` is SGLang's (launch ranks per node).
+
+    Raises:
+        ConfigError: the reservations do not fit in ``host_memory``.
+        CapacityError: ``host_memory`` exceeds this rank's share of the host.
+    """
+    key = settings.runtime_config()  # the runtime's identity: all but the host's rank count
+    with _runtimes_lock:
+        runtime = _RUNTIMES.get(key)
+        if runtime is None:
+            runtime = StorageRuntime(settings.runtime_config(ranks_per_host=_ranks_per_host()))
+            _RUNTIMES[key] = runtime
+        return runtime
+
+
+def _ranks_per_host() -> int:
+    from sglang.srt.mem_cache.pool_host.base import ranks_per_host
+
+    return int(ranks_per_host())
+
+
+def storage_rank_layout(storage_config: Any, *, page_size: int) -> RankLayout:
+    """The rank coordinates SGLang's ``HiCacheStorageConfig`` gives a storage backend."""
+    dcp_size = int(getattr(storage_config, "dcp_size", 1) or 1)
+    return RankLayout(
+        tp_rank=int(storage_config.tp_rank),
+        tp_size=int(storage_config.tp_size),
+        pp_rank=int(storage_config.pp_rank),
+        pp_size=int(storage_config.pp_size),
+        cp_rank=int(storage_config.attn_cp_rank),
+        cp_size=int(storage_config.attn_cp_size),
+        dcp_rank=int(getattr(storage_config, "dcp_rank", 0) or 0) if dcp_size > 1 else 0,
+        dcp_size=dcp_size,
+        logical_page_size=(storage_config.logical_page_size or page_size) if dcp_size > 1 else None,
+    )
+
+
+def process_rank_layout(*, page_size: int, tp_rank: int, tp_size: int) -> RankLayout:
+    """This process's rank coordinates, as SGLang's ``_generate_storage_config`` takes them.
+
+    TP is the attention-TP group's under DP attention, else the TP group's; PP, attention
+    CP and decode CP come from SGLang's parallel state. ``tp_rank``/``tp_size`` (the
+    caller's group) stand in where SGLang has written no ranks (a single-rank process).
+    """
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+
+    def read(name: str, default: int) -> int:
+        try:
+            return int(getattr(parallel, name))
+        except (RuntimeError, ValueError, AttributeError):  # not written in this process
+            return default
+
+    try:
+        dp_attention = bool(is_dp_attention_enabled())
+    except (RuntimeError, ValueError, AttributeError):
+        dp_attention = False
+    tp = ("attn_tp_rank", "attn_tp_size") if dp_attention else ("tp_rank", "tp_size")
+    dcp_size = read("attn_dcp_size", 1)
+    return RankLayout(
+        tp_rank=read(tp[0], tp_rank),
+        tp_size=read(tp[1], tp_size),
+        pp_rank=read("pp_rank", 0),
+        pp_size=read("pp_size", 1),
+        cp_rank=read("attn_cp_rank", 0),
+        cp_size=read("attn_cp_size", 1),
+        dcp_rank=read("attn_dcp_rank", 0) if dcp_size > 1 else 0,
+        dcp_size=dcp_size,
+        logical_page_size=page_size if dcp_size > 1 else None,
+    )

@@ -71,18 +71,10 @@ import torch
 
 from sglang_storage.errors import ConfigError, StateError
 from sglang_storage.managers.sparse import SparseKVConfig, SparseKVManager
-from sglang_storage.memory import (
-    Attention,
-    BudgetConfig,
-    HostMemory,
-    HostMemoryBudget,
-    KVGeometry,
-    KVHostPool,
-    KVLayout,
-)
+from sglang_storage.memory import Attention, KVGeometry, KVHostPool, KVLayout
 from sglang_storage.transfer import DeviceHostPipeline, DeviceKV
 from sglang_storage_adapters import require_supported_sglang
-from sglang_storage_adapters.runtime import RuntimeSettings, runtime_settings
+from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
 
 require_supported_sglang()
 
@@ -215,14 +207,23 @@ class HiSparseAdapter(_sglang_hisparse.HiSparseCoordinator):  # type: ignore[mis
             head_num=1,
             head_dim=int(pool.kv_cache_dim),
         )
+        settings = _settings()
+        if settings is None:
+            raise _refuse(
+                "--storage-managers",
+                None,
+                "sglang_storage is not configured in this process's server args",
+                "--storage-backend ... --storage-managers ...,sparse",
+            )
+        # The process's one host memory budget (shared with every other adapter).
+        memory = process_runtime(settings).host_memory("sparse")
         self._reserved = self._reserve(rows * device_buffer_size)
         self.base = int(self._reserved[0])
         end = self.base + rows * device_buffer_size
         device_kv = DeviceKV(
             geometry=geometry, k=tuple(buffer[self.base : end] for buffer in pool.kv_buffer)
         )
-        budget = HostMemoryBudget(BudgetConfig(total=geometry.total_bytes, kv=geometry.total_bytes))
-        self.host_pool = KVHostPool(geometry, HostMemory(budget), label="HiSparse host pool")
+        self.host_pool = KVHostPool(geometry, memory, label="HiSparse host pool")
         self.manager = SparseKVManager(
             host=self.host_pool,
             device=DeviceHostPipeline(device_kv, self.host_pool),
