@@ -67,6 +67,7 @@ from sglang_storage.memory import Attention, KVGeometry, KVHostPool, KVLayout
 from sglang_storage.storage.keys import namespace_seed
 from sglang_storage.transfer import DeviceHostPipeline, DeviceKV
 from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.device_checks import check_device_pools
 from sglang_storage_adapters.runtime import (
     RuntimeSettings,
     process_rank_layout,
@@ -204,7 +205,9 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         tree_cache: The scheduler's prefix cache (frees device KV, unlocks the prefix).
 
     Raises:
-        ConfigError: an unsupported device pool, host layout or storage setting.
+        ConfigError: an unsupported device pool, host layout or storage setting; an
+            allocator that can hand out device slots that are not whole pages; decode
+            context parallelism (see :mod:`.device_checks`).
         CapacityError: the host memory budget cannot hold the host pool.
     """
 
@@ -243,6 +246,8 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         self.page_size = int(get_schedule().page_size)
         self.offload_stride = _stride(self.page_size)
         self.kv_cache = token_to_kv_pool_allocator.get_kvcache()
+        # Device pages are named by their first token (row[::page_size] below).
+        check_device_pools(token_to_kv_pool_allocator, self.page_size, owner=_OWNER)
         geometry = host_pool_geometry(self.kv_cache, self.page_size)
         # The process's storage runtime: its one host memory budget, its one instance of
         # the backend (shared with the HiCache adapter, one cap for both), a pipeline.

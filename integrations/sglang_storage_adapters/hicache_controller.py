@@ -76,6 +76,7 @@ from sglang_storage.transfer import (
 )
 from sglang_storage.transfer.device_kv import DeviceKV
 from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.device_checks import check_device_pools
 from sglang_storage_adapters.hicache_storage import HiCacheBackend
 from sglang_storage_adapters.runtime import runtime_settings
 
@@ -588,6 +589,7 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
                 value=type(host).__name__,
                 reason="must be the sglang_storage KV host pool",
             )
+        check_device_pools(token_to_kv_pool_allocator, page_size, host_pool=host, owner=_OWNER)
         # SGLang's allocator hands out the device indices; like SGLang's own transfer
         # kernels, the pipeline trusts them, so a write or load never waits for the GPU.
         config = DeviceTransferConfig(io_backend="auto", check_device_tokens=False)
