@@ -18,26 +18,25 @@ what is underneath:
   of events) over our :class:`~sglang_storage.transfer.DeviceHostPipeline`: the ``torch``
   I/O backend on CPU (where SGLang's own copies need ``sgl_kernel`` and cannot run) and the
   ``kernel`` backend where it can.
-- :class:`StorageTransfers` - SGLang's ``write_storage`` / ``ack_backup_queue`` (host to
-  storage backups) over our :class:`~sglang_storage.transfer.StoragePipeline` and backend,
-  instead of SGLang's backup thread: the tree's ack drain (``qsize``/``empty`` of
-  ``ack_backup_queue``) collects the pipeline's finished puts as values.
 - :class:`StorageCacheController` - a ``HybridCacheController`` whose device<->host
-  engine, host pool and backups are the three above. The rest of its storage tier (hit
-  queries, prefetch with its stop policies and TP agreement, attach/detach) is SGLang's
-  code over our backends behind SGLang's ``dynamic`` seam (:mod:`.hicache_storage`), so
-  those keep SGLang's exact semantics.
+  engine and host pool are the two above and whose storage tier (hit queries, prefetch
+  reads, backups, rank agreement) is our index-addressed
+  :class:`~sglang_storage.managers.controller.CacheController`, with none of SGLang's
+  storage threads: ``prefetch`` starts the core's hit query, the tree's
+  ``prefetch_hit_queue`` / ``ack_prefetch_queue`` / ``ack_backup_queue`` are filled from
+  the core's ``poll()`` whenever the tree looks at them (``qsize``/``empty``), a prefetch
+  the tree puts into ``prefetch_buffer`` starts reading at once, and the ranks agree on
+  hits and read progress through a bounded :class:`~sglang_storage.managers.ranks.StoreRankSync`
+  (:func:`rank_sync`), so a stalled rank is a miss on every rank, never a hang. The
+  tree's stop policies, host allocation and its own scheduler-thread collectives stay
+  SGLang's. A backend attached at run time that is not ours gets SGLang's own threads.
 - :class:`StorageStackStrategy` - installs all of it through SGLang's own seam
   ``register_stack_strategy`` (see :mod:`.plugin`): it matches plain MHA/MLA KV caches
   only when :func:`~.runtime.runtime_settings` says the ``kv`` manager is on, and otherwise
   leaves SGLang's own strategy to build SGLang's own stack.
 
-What stays SGLang's: the tree, its index bookkeeping (which host token slots hold which
-node), the controller's queues, and its prefetch threads (three: prefetch, I/O, TP sync;
-the backup thread idles). Our
-:class:`~sglang_storage.managers.kv.KVCacheManager` is key-addressed and owns that
-bookkeeping itself, so it cannot sit behind an index-addressed tree; the adapter composes
-the manager's parts (host pool, device pipeline, backend) instead.
+What stays SGLang's: the tree and its index bookkeeping (which host token slots hold which
+node), which the core takes as given (host pages named by the tree's indices).
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ from sglang_storage.managers.controller import (
     HitQueryDone,
     ReadProgress,
 )
-from sglang_storage.managers.ranks import ProposingRankSync, SingleRank, StoreRankSync
 from sglang_storage.memory import (
     Attention,
     BudgetConfig,
@@ -72,12 +70,14 @@ from sglang_storage.transfer import (
     DeviceHostPipeline,
     DeviceTransferConfig,
     DeviceTransferHandle,
+    DeviceTransferResult,
     StoragePipeline,
 )
 from sglang_storage.transfer.device_kv import DeviceKV
 from sglang_storage_adapters import require_supported_sglang
 from sglang_storage_adapters.device_checks import check_device_pools
 from sglang_storage_adapters.hicache_storage import HiCacheBackend
+from sglang_storage_adapters.ranks import rank_sync
 from sglang_storage_adapters.runtime import runtime_settings
 
 require_supported_sglang()
@@ -113,7 +113,6 @@ __all__ = [
     "build_host_pool",
     "device_kv",
     "install",
-    "rank_sync",
 ]
 
 log = logging.getLogger(__name__)
@@ -149,6 +148,8 @@ class StorageHostPool:
     fd: Any
     before_free: Callable[[], None] | None = None
     """Called before pages are freed (the controller collects finished transfers)."""
+    after_free: Callable[[torch.Tensor], None] | None = None
+    """Called with the page numbers just freed."""
 
     def _geometry(self) -> KVGeometry:
         raise NotImplementedError
@@ -258,6 +259,8 @@ class StorageHostPool:
             self.before_free()
         with self.lock:
             self.storage_pool.free(pages)
+        if self.after_free is not None:
+            self.after_free(pages)
         return int(indices.numel())
 
     def destroy(self) -> None:
@@ -356,24 +359,47 @@ class PipelineTransferEngine:
         self.device_to_host_stream = _device_module.Stream()
         self.host_to_device_stream = _device_module.Stream()
         self._cuda = pipeline.device.type == "cuda"
-        self._in_flight: list[DeviceTransferHandle] = []
+        self._offloads: dict[int, torch.Tensor] = {}  # transfer id -> its host pages
+        self.unreadable: set[int] = set()
+        """Host pages whose device->host copy failed: never loaded or backed up until freed."""
+        self.failed_transfers = 0
 
-    def poll(self) -> None:
-        """Collect finished transfers (unpins their host pages); raise on a failed one.
+    def poll(self) -> list[DeviceTransferResult]:
+        """Collect finished transfers (unpins their host pages); never raises.
 
-        Raises:
-            StorageError: a copy failed (the tree already counts its pages as moved).
+        A failed copy is reported on its own result (logged and counted); a failed
+        device->host copy marks its host pages unreadable, so they are never loaded to
+        the device or backed up to storage (wrong bytes), until the tree frees them.
         """
-        self.pipeline.poll()
-        still = []
-        for handle in self._in_flight:
-            if handle.done():
-                result = handle.wait()
-                if result.error is not None:
-                    raise result.error
-            else:
-                still.append(handle)
-        self._in_flight = still
+        results = self.pipeline.poll()
+        for result in results:
+            pages = self._offloads.pop(result.transfer_id, None)
+            if result.ok:
+                continue
+            self.failed_transfers += 1
+            log.error(
+                "sglang_storage %s of %d host pages failed: %s",
+                result.direction.value,
+                result.pages,
+                result.error,
+            )
+            if pages is not None:
+                self.unreadable.update(int(p) for p in pages.tolist())
+        return results
+
+    def forget(self, pages: torch.Tensor) -> None:
+        """``pages`` were freed: what they held no longer matters."""
+        if self.unreadable:
+            self.unreadable.difference_update(int(p) for p in pages.tolist())
+
+    def readable_prefix(self, pages: torch.Tensor) -> int:
+        """How many leading ``pages`` hold what a finished copy wrote (none failed)."""
+        if not self.unreadable:
+            return int(pages.numel())
+        for i, page in enumerate(pages.tolist()):
+            if int(page) in self.unreadable:
+                return i
+        return int(pages.numel())
 
     def _pages(self, transfers: Sequence[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
@@ -396,7 +422,6 @@ class PipelineTransferEngine:
             with torch.cuda.stream(stream):
                 handle.fence()
                 event.record()
-            self._in_flight.append(handle)
         else:
             result = handle.wait()
             if result.error is not None:
@@ -420,6 +445,7 @@ class PipelineTransferEngine:
                     handle = self.pipeline.offload(pages, tokens)
             else:
                 handle = self.pipeline.offload(pages, tokens)
+            self._offloads[handle.transfer_id] = pages
             finish = self._finish(handle, stream)
         return TransferCompletion(start, finish, False)
 
@@ -433,11 +459,17 @@ class PipelineTransferEngine:
     ) -> Any:
         """Copy host pages into device pages layer by layer, calling ``on_layer_done(i)``."""
         self.poll()
+        moves = self._pages(transfers)
+        for pages, _ in moves:
+            if self.readable_prefix(pages) < pages.numel():
+                raise StorageError(
+                    "sglang_storage: refusing to load host pages whose device->host copy "
+                    f"failed ({sorted(self.unreadable & set(pages.tolist()))[:8]})"
+                )
         if start_event is None:
             start_event = _device_module.Event()
             start_event.record()
         stream = self.host_to_device_stream
-        moves = self._pages(transfers)
         handles = []
         for pages, tokens in moves:
             if self._cuda:
@@ -492,38 +524,6 @@ class _ReadQueue(queue.Queue[Any]):
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         self._start(item)
-
-
-def rank_sync(groups: Sequence[Any]) -> ProposingRankSync:
-    """Bounded agreement over the ranks of the one group in ``groups`` with several ranks.
-
-    Built on the default ``torch.distributed`` store (no collective, nothing blocks); one
-    rank, or no initialised ``torch.distributed``, is :class:`SingleRank`.
-
-    Raises:
-        ConfigError: more than one of ``groups`` spans several ranks (TP with PP or CP).
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return SingleRank()
-    wide = [g for g in groups if g is not None and dist.get_world_size(group=g) > 1]
-    if not wide:
-        return SingleRank()
-    if len(wide) > 1:
-        raise ConfigError(
-            owner=_OWNER,
-            field="parallelism",
-            value=len(wide),
-            reason="spans several rank groups (e.g. TP with PP or attention CP)",
-            allowed="one group of several ranks (TP); PP and CP keep SGLang's own stack",
-        )
-    ranks = sorted(int(r) for r in dist.get_process_group_ranks(wide[0]))
-    store = dist.distributed_c10d.PrefixStore(
-        "sglang_storage/hicache/" + "-".join(map(str, ranks)) + "/",
-        dist.distributed_c10d._get_default_store(),
-    )
-    return StoreRankSync(store, rank=ranks.index(dist.get_rank()), world_size=len(ranks))
 
 
 # ---------------------------------------------------------------------- controller
@@ -606,6 +606,7 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         self._read_ids: dict[int, int] = {}  # id(prefetch operation) -> read id
         self._backups: dict[int, Any] = {}
         host.before_free = self._before_free
+        host.after_free = self.l2_transfer_engine.forget
         log.info("sglang_storage HiCache controller: device<->host I/O %s", pipeline.io_detail)
         if storage_backend is not None:
             self.attach_storage_backend(
@@ -852,10 +853,14 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         if self.backup_skip:
             queue.Queue.put(self.ack_backup_queue, operation)
             return int(operation.id)
-        hashes = list(hash_value or [])
-        pages = self._host.pages_of(host_indices)[: len(hashes)]
+        engine: PipelineTransferEngine = self.l2_transfer_engine
+        engine.poll()
+        pages = self._host.pages_of(host_indices)[: len(hash_value or [])]
+        # Pages whose device->host copy failed are never stored (the backup stops there).
+        hashes = list(hash_value or [])[: engine.readable_prefix(pages)]
         operation._sgs_started = time.perf_counter()
-        self._backups[core.backup(self._object_keys(hashes), pages)] = operation
+        backup = core.backup(self._object_keys(hashes), pages[: len(hashes)])
+        self._backups[backup] = operation
         return int(operation.id)
 
 
