@@ -68,6 +68,7 @@ from sglang_storage.storage.keys import namespace_seed
 from sglang_storage.transfer import DeviceHostPipeline, DeviceKV
 from sglang_storage_adapters import require_supported_sglang
 from sglang_storage_adapters.device_checks import check_device_pools
+from sglang_storage_adapters.ranks import rank_sync
 from sglang_storage_adapters.runtime import (
     RuntimeSettings,
     process_rank_layout,
@@ -91,6 +92,9 @@ from sglang.srt.runtime_context import (  # noqa: E402
 __all__ = ["TARGET", "DecodeOffloadAdapter", "host_pool_geometry", "install"]
 
 log = logging.getLogger(__name__)
+
+_RANK_TIMEOUT_S: Final = 5.0
+"""How long a TP agreement of the offload waits for the other ranks."""
 
 TARGET: Final = (
     "sglang.srt.disaggregation.decode_kvcache_offload_manager.DecodeKVCacheOffloadManager"
@@ -243,6 +247,8 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         self.tp_group = tp_group
         self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
         self.tp_rank = torch.distributed.get_rank(group=tp_group)
+        # Bounded agreement instead of SGLang's blocking all_reduce: a late rank is a miss.
+        self._ranks = rank_sync([tp_group], name="decode")
         self.page_size = int(get_schedule().page_size)
         self.offload_stride = _stride(self.page_size)
         self.kv_cache = token_to_kv_pool_allocator.get_kvcache()
@@ -358,7 +364,8 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         ready = 0
         while ready < len(self._finishing) and self._finishing[ready].released:
             ready += 1
-        ready = self._all_reduce(ready, torch.distributed.ReduceOp.MIN)
+        # A rank that does not answer in time: nothing is released this step.
+        ready = self._agree_min("decode_ready", ready, late=0)
         done, self._finishing = self._finishing[:ready], self._finishing[ready:]
         for tracked in done:
             self.ongoing_offload.pop(tracked.manager_id, None)
@@ -367,7 +374,8 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
     def drain_before_retraction(self) -> None:
         """Collect results; raise on every rank if any rank still copies device KV."""
         self.check_offload_progress()
-        pending = self._all_reduce(int(self.manager.copying), torch.distributed.ReduceOp.MAX)
+        # MAX of "still copying" is 1 - MIN of "done"; a late rank counts as still copying.
+        pending = 1 - self._agree_min("decode_drained", int(not self.manager.copying), late=0)
         if pending:
             raise RuntimeError(
                 "Decode KV offload copies are still pending on some rank; refusing to "
@@ -458,12 +466,13 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
             self._by_id.pop(tracked.manager_id, None)
             self.ongoing_offload.pop(tracked.manager_id, None)
 
-    def _all_reduce(self, value: int, op: Any) -> int:
-        if self.tp_world_size <= 1:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int)
-        torch.distributed.all_reduce(tensor, op=op, group=self.tp_group)
-        return int(tensor.item())
+    def _agree_min(self, op: str, value: int, *, late: int) -> int:
+        """MIN of ``value`` over the TP ranks, or ``late`` when one did not answer in time."""
+        agreed = self._ranks.agree_min(op, value, timeout_s=_RANK_TIMEOUT_S)
+        if agreed is None:
+            log.warning("sglang_storage decode offload: a TP rank did not answer %s in time", op)
+            return late
+        return agreed
 
     def _release_finished_req(self, req: Any) -> None:
         """SGLang's release of a finished request's device KV (idempotent), then forget it."""

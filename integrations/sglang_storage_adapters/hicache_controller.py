@@ -658,9 +658,9 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         self.ack_backup_queue = _PumpedQueue(self._pump)
         self.host_mem_release_queue: queue.Queue[Any] = queue.Queue()
         self._init_extra_host_mem_release_queues()
-        extra = self.storage_config.extra_config or {}
-        config = ControllerConfig(load_policy=extra.get("storage_load_policy", "always"))
-        self._storage_pipeline = StoragePipeline(self.storage_backend.backend)
+        backend = self.storage_backend
+        config = ControllerConfig(load_policy=backend.settings.runtime.load_policy)
+        self._storage_pipeline = backend.runtime.storage_pipeline(backend.lease)
         self._core = CacheController(
             host=self._host.storage_pool,
             device=self.device_pipeline,
@@ -670,7 +670,7 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         )
         log.info(
             "sglang_storage HiCache storage tier: backend %s, load policy %s, no storage threads",
-            type(self.storage_backend.backend).__name__,
+            type(backend.backend).__name__,
             config.load_policy.value,
         )
 

@@ -47,7 +47,7 @@ from sglang_storage.managers.runtime import COMPONENTS, RankLayout, RuntimeConfi
 from sglang_storage.policy.eviction import EvictionConfig
 from sglang_storage.storage import backend_entry, backend_names
 from sglang_storage.units import parse_bytes
-from sglang_storage_adapters.flags import DYNAMIC_BACKEND_NAME, MANAGER_NAMES
+from sglang_storage_adapters.flags import DYNAMIC_BACKEND_NAME, LOAD_POLICIES, MANAGER_NAMES
 
 __all__ = [
     "RuntimeSettings",
@@ -113,6 +113,8 @@ class RuntimeSettings:
     """The process's host memory budget in bytes (``None``: the components' asks)."""
     host_reservations: tuple[tuple[str, int], ...] = ()
     """Bytes reserved per component, as ``(component, bytes)`` pairs."""
+    load_policy: str = attrs.field(default="always", validator=one_of(*LOAD_POLICIES))
+    """Which storage hits the HiCache controller prefetches (``--storage-load-policy``)."""
 
     def enabled(self, manager: str) -> bool:
         """Whether ``manager`` (one of :data:`~.flags.MANAGER_NAMES`) is switched on."""
@@ -219,6 +221,7 @@ def parse_settings(
             eviction=eviction,
             host_memory=None if host_memory is None else _size(host_memory, "host_memory"),
             host_reservations=_reservations(extra.get("host_reservations")),
+            load_policy=extra.get("storage_load_policy", "always"),  # type: ignore[arg-type]
         )
     except ConfigError as error:
         raise error.renamed(owner=_OWNER) from None

@@ -28,14 +28,14 @@ import enum
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import attrs
 import torch
 
-from sglang_storage.config import instance_of, positive_int, positive_number
+from sglang_storage.config import positive_int, positive_number
 from sglang_storage.core import ObjectKey
-from sglang_storage.errors import StateError, StorageError
+from sglang_storage.errors import ConfigError, StateError, StorageError
 from sglang_storage.managers.pageio import HostPageIO, PageOp
 from sglang_storage.managers.ranks import Proposal, ProposingRankSync, SingleRank
 from sglang_storage.memory import KVHostPool
@@ -68,6 +68,24 @@ class LoadPolicy(enum.StrEnum):
     """Only hits the cost model says load faster than they recompute."""
 
 
+def _load_policy(value: object) -> LoadPolicy:
+    """A policy name as :class:`LoadPolicy`; anything else is left for the validator."""
+    if isinstance(value, str) and value in set(LoadPolicy):
+        return LoadPolicy(value)
+    return value  # type: ignore[return-value]  # refused by _is_load_policy
+
+
+def _is_load_policy(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, LoadPolicy):
+        raise ConfigError(
+            owner=type(instance).__name__,
+            field=attribute.name,
+            value=value,
+            reason="is not a load policy",
+            allowed=", ".join(p.value for p in LoadPolicy),
+        )
+
+
 @attrs.frozen(kw_only=True)
 class ControllerConfig:
     """Bounds and policy of a :class:`CacheController`; validated on construction."""
@@ -79,7 +97,9 @@ class ControllerConfig:
     read_batch_pages: int = attrs.field(default=128, validator=positive_int)
     """Pages per storage read: a read's progress is agreed in these steps."""
     load_policy: LoadPolicy = attrs.field(
-        default=LoadPolicy.ALWAYS, converter=LoadPolicy, validator=instance_of(LoadPolicy)
+        default=LoadPolicy.ALWAYS,
+        converter=_load_policy,
+        validator=_is_load_policy,
     )
     """Which hits are loaded."""
 
