@@ -18,6 +18,9 @@ what finished as typed values. Imports only the layers below it; never SGLang.
 - :class:`RecordStore` (:mod:`.records`) - write-once / read-once keyed records.
 - :class:`WeightBackupManager` (:mod:`.weights`) - expert weight shards backed up and
   restored on demand.
+- :class:`StorageRuntime` (:mod:`.runtime`) - what every manager of a process shares: the
+  host memory budget, one instance per backend, the pipelines, and
+  :func:`kv_page_namespace`, where a rank's KV pages live.
 
 Each module's events and results are imported from the module itself (several managers
 have a ``BackupDone``, for instance).
@@ -32,25 +35,37 @@ from sglang_storage.managers.embedding import (
 from sglang_storage.managers.kv import KVCacheConfig, KVCacheManager, SidePool
 from sglang_storage.managers.ranks import RankSync, SingleRank, StoreRankSync
 from sglang_storage.managers.records import RecordStore, RecordStoreConfig
+from sglang_storage.managers.runtime import (
+    BackendLease,
+    RankLayout,
+    RuntimeConfig,
+    StorageRuntime,
+    kv_page_namespace,
+)
 from sglang_storage.managers.sparse import SparseKVConfig, SparseKVManager
 from sglang_storage.managers.weights import WeightBackupConfig, WeightBackupManager
 
 __all__ = [
+    "BackendLease",
     "DecodeOffloadConfig",
     "DecodeOffloadManager",
     "EmbeddingCacheConfig",
     "EmbeddingCacheManager",
     "KVCacheConfig",
     "KVCacheManager",
+    "RankLayout",
     "RankSync",
     "RecordStore",
     "RecordStoreConfig",
+    "RuntimeConfig",
     "SidePool",
     "SingleRank",
     "SparseKVConfig",
     "SparseKVManager",
+    "StorageRuntime",
     "StoreRankSync",
     "WeightBackupConfig",
     "WeightBackupManager",
     "content_hash",
+    "kv_page_namespace",
 ]
