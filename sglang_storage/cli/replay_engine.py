@@ -636,7 +636,7 @@ class ReplayEngine:
             self._manager.evict_host(list(self._on_host))
             self._on_host.clear()
         self._poll()
-        while self._storage.metrics().in_flight or self._timed:
+        while self._storage.metrics().in_flight or self._timed or self._manager.backups_in_flight:
             self._wait_io(deadline, "backups to finish")
             self._poll()
         device_metrics = self._device.metrics()

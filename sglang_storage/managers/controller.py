@@ -16,6 +16,7 @@ owns which host page holds which key, and the controller moves pages:
   take longer than recomputing it (:class:`~sglang_storage.policy.cost.CostModel`, fed with
   every read's measured time) counts as a miss.
 
+The controller owns its storage pipeline's completion list (``poll()`` empties it).
 ``poll()`` returns what finished as values, in submission order per kind (the order every
 rank sees): :class:`HitQueryDone`, :class:`ReadProgress` (several per read, the last with
 ``final=True``, after which none of the read's pages is in flight) and :class:`BackupEnded`.
@@ -34,10 +35,15 @@ import attrs
 import torch
 
 from sglang_storage.config import positive_int, positive_number
-from sglang_storage.core import ObjectKey
 from sglang_storage.errors import ConfigError, StateError, StorageError
-from sglang_storage.managers.pageio import HostPageIO, PageOp
-from sglang_storage.managers.ranks import Proposal, ProposingRankSync, SingleRank
+from sglang_storage.managers.pageio import HostPageIO, PageKeys, PageOp, PagePart
+from sglang_storage.managers.ranks import (
+    Agreement,
+    Proposal,
+    ProposingRankSync,
+    RankSync,
+    SingleRank,
+)
 from sglang_storage.memory import KVHostPool
 from sglang_storage.policy.cost import CostModel, CostModelConfig, Tier
 from sglang_storage.transfer import (
@@ -139,6 +145,8 @@ class BackupEnded:
     stored_pages: int
     requested_pages: int
     error: StorageError | None
+    page_ok: tuple[bool, ...] = ()
+    """Per page, whether every part of it was stored (pages after a failed one may be)."""
 
 
 ControllerEvent: TypeAlias = HitQueryDone | ReadProgress | BackupEnded
@@ -197,7 +205,11 @@ class CacheController:
         host: The host pool whose pages the caller names.
         device: Moves pages between the device pool and ``host``.
         storage: Moves pages between ``host`` and the backend; None for no storage tier.
-        ranks: Agreement with the other ranks sharing the cache.
+        sides: Pools holding further parts of every page (hybrid models' side data):
+            keys and slots are then given per page as a tuple of keys and a row of slots,
+            the KV page first.
+        ranks: Agreement with the other ranks sharing the cache; one without ``propose``
+            agrees by blocking (bounded) when a proposal is made.
         cost: The load-vs-recompute model (needed by :attr:`LoadPolicy.COST`; fed either way).
         config: Bounds and policy.
     """
@@ -208,15 +220,18 @@ class CacheController:
         host: KVHostPool,
         device: DeviceHostPipeline | None,
         storage: StoragePipeline | None,
-        ranks: ProposingRankSync | None = None,
+        sides: Sequence[PagePart] = (),
+        ranks: RankSync | None = None,
         cost: CostModel | None = None,
         config: ControllerConfig | None = None,
     ) -> None:
         self._config = config if config is not None else ControllerConfig()
         self._host = host
         self._device = device
-        self._io = None if storage is None else HostPageIO(host, storage)
-        self._ranks: ProposingRankSync = ranks if ranks is not None else SingleRank()
+        self._io = None if storage is None else HostPageIO([host, *sides], storage)
+        if ranks is None:
+            ranks = SingleRank()
+        self._ranks = ranks if isinstance(ranks, ProposingRankSync) else _Blocking(ranks)
         self._page_size = host.geometry.page_size
         self._cost = cost
         if cost is None and self._config.load_policy is LoadPolicy.COST:
@@ -288,13 +303,13 @@ class CacheController:
 
     # ------------------------------------------------------------------ host <-> storage
 
-    def local_hit_pages(self, keys: Sequence[ObjectKey]) -> int:
+    def local_hit_pages(self, keys: Sequence[PageKeys]) -> int:
         """How many leading ``keys`` storage holds on this rank (bounded; not agreed)."""
         if self._io is None:
             return 0
         return self._io.exists_now(keys, timeout_s=self._config.exists_timeout_s)
 
-    def query(self, keys: Sequence[ObjectKey]) -> int:
+    def query(self, keys: Sequence[PageKeys]) -> int:
         """Start a hit query agreed by every rank; :class:`HitQueryDone` from ``poll()``."""
         query_id = self._next_id()
         if self._io is None:
@@ -305,7 +320,7 @@ class CacheController:
         self._counts["hit_queries"] += 1
         return query_id
 
-    def backup(self, keys: Sequence[ObjectKey], host_pages: torch.Tensor) -> int:
+    def backup(self, keys: Sequence[PageKeys], host_pages: torch.Tensor) -> int:
         """Store host pages under ``keys``; its :class:`BackupEnded` comes from ``poll()``.
 
         A backup refused at submission ends with 0 pages stored (reported in order).
@@ -316,16 +331,28 @@ class CacheController:
         self._counts["backups"] += 1
         return backup_id
 
-    def read(self, keys: Sequence[ObjectKey], host_pages: torch.Tensor) -> int:
-        """Read ``keys`` into host pages in batches; :class:`ReadProgress` from ``poll()``."""
+    def read(self, keys: Sequence[PageKeys], host_pages: torch.Tensor) -> int:
+        """Read ``keys`` into host pages in batches; :class:`ReadProgress` from ``poll()``.
+
+        Raises:
+            ConfigError: ``host_pages`` and ``keys`` differ in pages (nothing started).
+        """
         read_id = self._next_id()
-        flat = host_pages.reshape(-1).to("cpu", torch.int64)
+        rows = host_pages.to("cpu", torch.int64)
+        rows = rows.reshape(-1, 1) if rows.dim() <= 1 else rows
+        if rows.shape[0] != len(keys):
+            raise ConfigError(
+                owner="CacheController.read",
+                field="host_pages",
+                value=int(rows.shape[0]),
+                reason=f"must give one page (row of slots) per key ({len(keys)} keys)",
+            )
         step, io = self._config.read_batch_pages, self._io
         ops = (
             []
             if io is None
             else [
-                io.get(keys[first : first + step], flat[first : first + step])
+                io.get(keys[first : first + step], rows[first : first + step])
                 for first in range(0, len(keys), step)
             ]
         )
@@ -350,6 +377,8 @@ class CacheController:
     def poll(self) -> list[ControllerEvent]:
         """What finished since the last call, in submission order per kind; never blocks."""
         events: list[ControllerEvent] = []
+        if self._io is not None and self._io.pipeline.config.track_completions:
+            self._io.pipeline.completions(0.0)  # ours are tracked by handle: let them go
         self._poll_queries(events)
         self._poll_reads(events)
         self._poll_backups(events)
@@ -406,6 +435,7 @@ class CacheController:
                     stored_pages=op.leading(),
                     requested_pages=op.pages,
                     error=op.error,
+                    page_ok=tuple(op.page_ok()),
                 )
             )
         self._backups.clear()
@@ -543,5 +573,35 @@ class CacheController:
                     stored_pages=stored,
                     requested_pages=op.pages,
                     error=op.error,
+                    page_ok=tuple(op.page_ok()),
                 )
             )
+
+
+class _Blocking:
+    """A :class:`RankSync` without ``propose``: each proposal agrees at once (bounded wait)."""
+
+    def __init__(self, ranks: RankSync) -> None:
+        self._ranks = ranks
+
+    @property
+    def rank(self) -> int:
+        return self._ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ranks.world_size
+
+    def agree_min(self, op: str, value: int, *, timeout_s: float) -> int | None:
+        return self._ranks.agree_min(op, value, timeout_s=timeout_s)
+
+    def propose(self, op: str, value: int, *, timeout_s: float) -> Proposal:
+        return _Agreed(Agreement(self._ranks.agree_min(op, value, timeout_s=timeout_s)))
+
+
+@attrs.frozen
+class _Agreed:
+    agreement: Agreement
+
+    def poll(self) -> Agreement | None:
+        return self.agreement

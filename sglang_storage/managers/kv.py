@@ -26,8 +26,13 @@ Side data (hybrid models: mamba/SWA state, indexer pages) lives in :class:`SideP
 slot per KV page in each, written, backed up, prefetched and released with it as one unit.
 Keys of side parts are the page key plus ``-<side name>``.
 
-The manager owns the pipelines it is given (``poll()`` drains their completions) and is
-driven from one thread; it starts no threads.
+The manager is the key-addressed façade of the index-addressed
+:class:`~sglang_storage.managers.controller.CacheController` (the core SGLang's HiCache
+adapter drives): it owns which host slots hold which key, and every page it moves goes
+through the core: device<->host copies, backups, hit queries and prefetch reads on the
+core's one :class:`~sglang_storage.managers.pageio.HostPageIO`. It owns the pipelines it
+is given (``poll()`` drains their completions), is driven from one thread and starts no
+threads.
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ import attrs
 import torch
 
 from sglang_storage.config import instance_of, positive_int, positive_number
-from sglang_storage.core import GetRequest, Namespace, ObjectKey, ObjectSpec, PutRequest
+from sglang_storage.core import Namespace, ObjectKey, ObjectSpec
 from sglang_storage.errors import CapacityError, ConfigError, StateError, StorageError
+from sglang_storage.managers.controller import BackupEnded, CacheController, ControllerConfig
+from sglang_storage.managers.pageio import PageOp
 from sglang_storage.managers.ranks import RankSync, SingleRank
 from sglang_storage.memory import KVHostPool, RecordPool, tensor_spec
 from sglang_storage.policy import EvictAction, PrefetchStopPolicy, WritePolicy
@@ -52,10 +59,8 @@ from sglang_storage.transfer import (
     DeviceHostPipeline,
     DeviceLoadHandle,
     DeviceTransferHandle,
-    GetHandle,
     LayerDoneCounter,
     OpState,
-    Priority,
     StoragePipeline,
 )
 
@@ -137,6 +142,14 @@ class SidePool:
         if isinstance(self.pool, KVHostPool):
             return self.pool.read_pages(slots)
         return self.pool.read(slots)
+
+    def pin(self, slots: torch.Tensor) -> None:
+        """Keep ``slots`` from being freed while they move."""
+        self.pool.pin(slots)
+
+    def unpin(self, slots: torch.Tensor) -> None:
+        """Undo one :meth:`pin` of ``slots``."""
+        self.pool.unpin(slots)
 
 
 @attrs.frozen(kw_only=True)
@@ -237,8 +250,13 @@ class _Page:
 class _Prefetch:
     keys: tuple[str, ...]
     slots: list[tuple[int, ...]]
-    handles: list[tuple[GetHandle, int, int]]  # (handle, first page, pages)
+    reads: list[tuple[PageOp, int, int]]  # (read, first page, pages)
     started_at: float | None = None
+
+
+def _succeeded(read: PageOp) -> bool:
+    """Whether a read ended done (not failed or cancelled)."""
+    return read.handle is not None and read.handle.state is OpState.DONE
 
 
 class KVCacheManager:
@@ -289,10 +307,27 @@ class KVCacheManager:
         self._releasing: dict[str, None] = {}  # ordered set: pages to free once not busy
         self._device_hits: dict[str, int] = {}
         self._device_ops: dict[int, tuple[DeviceTransferHandle, tuple[str, ...]]] = {}
-        self._puts: dict[int, tuple[str, ...]] = {}
-        self._orphans: dict[int, tuple[GetHandle, list[tuple[int, ...]]]] = {}
+        self._puts: dict[int, tuple[str, ...]] = {}  # core backup id -> its keys
+        self._orphans: list[tuple[PageOp, list[tuple[int, ...]]]] = []
+        self._core = CacheController(
+            host=host,
+            device=device,
+            storage=storage,
+            sides=self._sides,
+            ranks=self._ranks,
+            config=ControllerConfig(
+                rank_timeout_s=self._config.rank_timeout_s,
+                exists_timeout_s=self._config.exists_timeout_s,
+                read_batch_pages=self._config.prefetch_batch_pages,
+            ),
+        )
         self._prefetches: dict[str, _Prefetch] = {}
         self._counts: Counter[str] = Counter()
+
+    @property
+    def backups_in_flight(self) -> int:
+        """Backups started and not yet acknowledged by :meth:`poll`."""
+        return len(self._puts)
 
     @property
     def layer_counter(self) -> LayerDoneCounter:
@@ -330,18 +365,7 @@ class KVCacheManager:
         """
         if self._storage is None:  # the same on every rank: nothing to agree on
             return 0
-        local, parts = 0, 1 + len(self._sides)
-        try:
-            handle = self._storage.submit_exists(
-                [k for key in keys for k in self._keys(key)],
-                priority=Priority.URGENT,
-                deadline_s=self._config.exists_timeout_s,
-            )
-            found = handle.result(self._config.exists_timeout_s)
-        except StorageError:
-            found = []
-        while local < len(found) // parts and all(found[local * parts : (local + 1) * parts]):
-            local += 1
+        local = self._core.local_hit_pages([self._keys(key) for key in keys])
         return self._agree("storage_hit", local) or 0
 
     # ------------------------------------------------------------------ device -> host
@@ -421,7 +445,7 @@ class KVCacheManager:
             for n, s in enumerate(self._sides):
                 assert side is not None
                 s.write(slots[n + 1], side[s.name].index_select(0, index.to(side[s.name].device)))
-            handle = self._device.offload(
+            handle = self._core.offload(
                 slots[0], page_tokens.index_select(0, index.to(tokens.device)).reshape(-1)
             )
         except BaseException:
@@ -446,7 +470,7 @@ class KVCacheManager:
             raise StateError(subject="KVCacheManager.load", reason="a key is not ready on host")
         pages = [self._pages[k] for k in keys]
         columns = self._columns([p.slots for p in pages])
-        handle = self._device.load(columns[0], device_tokens)
+        handle = self._core.load(columns[0], device_tokens)
         for p in pages:
             p.busy += 1
         self._device_ops[handle.transfer_id] = (handle, tuple(keys))
@@ -481,23 +505,11 @@ class KVCacheManager:
         if not keys or self._storage is None:  # no tier below: evicted pages are lost
             self._counts["dropped_pages"] += sum(p.release for p in pages)
             return
-        requests = [
-            PutRequest(key=key, spec=spec, buffers=views)
-            for k, p in zip(keys, pages, strict=True)
-            for key, spec, views in zip(
-                self._keys(k), self._specs(), self._views(p.slots), strict=True
-            )
-        ]
-        try:
-            handle = self._storage.submit_put(requests, priority=Priority.BACKGROUND)
-        except StorageError:
-            self._counts.update(
-                backup_failed_pages=len(keys), dropped_pages=sum(p.release for p in pages)
-            )
-            return
+        rows = torch.tensor([p.slots for p in pages], dtype=torch.int64)
+        backup = self._core.backup([self._keys(k) for k in keys], rows)
         for p in pages:
             p.busy, p.backing_up = p.busy + 1, True
-        self._puts[handle.op_id] = tuple(keys)
+        self._puts[backup] = tuple(keys)
 
     # ------------------------------------------------------------------ storage -> host
 
@@ -519,21 +531,18 @@ class KVCacheManager:
             return False
         assert columns is not None
         slots = [tuple(int(c[i]) for c in columns) for i in range(n)]
-        op = _Prefetch(keys=tuple(keys), slots=slots, handles=[])
-        step = self._config.prefetch_batch_pages
+        op = _Prefetch(keys=tuple(keys), slots=slots, reads=[])
+        step, io = self._config.prefetch_batch_pages, self._core.page_io
+        assert io is not None  # a storage pipeline was given
         for first in range(0, n, step):
-            requests = [
-                GetRequest(key=key, spec=spec, buffers=views)
-                for i in range(first, min(first + step, n))
-                for key, spec, views in zip(
-                    self._keys(keys[i]), self._specs(), self._views(slots[i]), strict=True
-                )
-            ]
-            try:
-                handle = self._storage.submit_get(requests, priority=Priority.URGENT)
-            except StorageError:
+            last = min(first + step, n)
+            read = io.get(
+                [self._keys(k) for k in keys[first:last]],
+                torch.tensor(slots[first:last], dtype=torch.int64),
+            )
+            if read.handle is None:  # refused: the hit ends before this batch
                 break
-            op.handles.append((handle, first, min(step, n - first)))
+            op.reads.append((read, first, last - first))
         self._prefetches[request_id] = op
         return True
 
@@ -549,11 +558,11 @@ class KVCacheManager:
         if op is None:
             raise StateError(subject=f"prefetch {request_id!r}", reason="is not in progress")
         landed = 0
-        for handle, _, pages in op.handles:
-            if handle.state is not OpState.DONE:
+        for read, _, pages in op.reads:
+            if not _succeeded(read):
                 break
             landed += pages
-        finished = all(h.done() for h, _, _ in op.handles)
+        finished = all(r.done() for r, _, _ in op.reads)
         if op.started_at is None:
             op.started_at = self._stop.now()
         decision = self._stop.decide(
@@ -569,6 +578,9 @@ class KVCacheManager:
         valid = self._valid_prefix(op)
         hit = None if go_on is None else self._agree("prefetch_hit", valid)
         delivered = 0 if hit is None else hit
+        for read, _, _ in op.reads:  # what is delivered or freed here is no longer read into
+            if read.done():
+                read.collect()
         for i, (key, slots) in enumerate(zip(op.keys[:delivered], op.slots, strict=False)):
             page = self._pages.get(key)
             if page is None:
@@ -595,27 +607,27 @@ class KVCacheManager:
         )
 
     def _valid_prefix(self, op: _Prefetch) -> int:
-        parts, valid = 1 + len(self._sides), 0
-        for handle, _, pages in op.handles:
-            if handle.state is not OpState.DONE:
+        valid = 0
+        for read, _, _ in op.reads:
+            if not _succeeded(read):
                 return valid
-            results = handle.partial()
-            for i in range(pages):
-                if not all(r.hit for r in results[i * parts : (i + 1) * parts]):
+            for ok in read.page_ok():
+                if not ok:
                     return valid
                 valid += 1
         return valid
 
     def _abandon(self, op: _Prefetch) -> None:
         """Free the slots of ``op`` not delivered, each once its get is terminal."""
-        for handle, first, pages in op.handles:
+        for read, first, pages in op.reads:
             slots = [s for s in op.slots[first : first + pages] if s]
-            handle.cancel()
-            if handle.done():
+            read.cancel()
+            if read.done():
+                read.collect()
                 self._free_rows(slots)
             else:
-                self._orphans[handle.op_id] = (handle, slots)
-        covered = sum(pages for _, _, pages in op.handles)
+                self._orphans.append((read, slots))
+        covered = sum(pages for _, _, pages in op.reads)
         self._free_rows([s for s in op.slots[covered:] if s])
 
     # ------------------------------------------------------------------ completions
@@ -642,11 +654,16 @@ class KVCacheManager:
                 self._counts["written_pages"] += len(keys)
                 self._counts["dropped_pages"] += through * sum(p.release for p in pages)
                 self._backup([k for k, p in zip(keys, pages, strict=True) if p.release != through])
-        for op in self._storage.completions() if self._storage is not None else []:
-            if op.op_id in self._orphans:
-                self._free_rows(self._orphans.pop(op.op_id)[1])
-            elif op.op_id in self._puts:
-                events.append(self._acknowledge(self._puts.pop(op.op_id), op.partial()))
+        events.extend(
+            self._acknowledge(self._puts.pop(event.backup_id), event.page_ok)
+            for event in self._core.poll()
+            if isinstance(event, BackupEnded)
+        )
+        ended = [(read, slots) for read, slots in self._orphans if read.done()]
+        self._orphans = [entry for entry in self._orphans if entry not in ended]
+        for read, slots in ended:
+            read.collect()
+            self._free_rows(slots)
         released = tuple(k for k in self._releasing if self._pages[k].busy == 0)
         for key in released:
             del self._releasing[key]
@@ -655,13 +672,11 @@ class KVCacheManager:
             events.append(HostReleased(keys=released))
         return events
 
-    def _acknowledge(self, keys: tuple[str, ...], results: Sequence[Any]) -> BackupDone:
-        parts = 1 + len(self._sides)
+    def _acknowledge(self, keys: tuple[str, ...], page_ok: Sequence[bool]) -> BackupDone:
         stored: list[str] = []
         failed: list[str] = []
-        for i, key in enumerate(keys):
+        for key, ok in zip(keys, page_ok, strict=True):
             page = self._pages[key]
-            ok = all(r.ok for r in results[i * parts : (i + 1) * parts])
             page.busy, page.backing_up, page.backed_up = page.busy - 1, False, ok
             (stored if ok else failed).append(key)
             self._counts["dropped_pages"] += page.release and not ok
@@ -679,15 +694,9 @@ class KVCacheManager:
         self._counts["rank_misses"] += agreed is None
         return agreed
 
-    def _keys(self, key: str) -> list[ObjectKey]:
-        return [self._ns.key(key), *(self._ns.key(f"{key}-{s.name}") for s in self._sides)]
-
-    def _specs(self) -> list[ObjectSpec]:
-        return [self._host.page_spec, *(s.spec for s in self._sides)]
-
-    def _views(self, slots: tuple[int, ...]) -> list[tuple[memoryview, ...]]:
-        kv = self._host.page_views(slots[0])
-        return [kv, *(s.views(slot) for s, slot in zip(self._sides, slots[1:], strict=True))]
+    def _keys(self, key: str) -> tuple[ObjectKey, ...]:
+        """The object keys of a page: its KV page, then each side part."""
+        return (self._ns.key(key), *(self._ns.key(f"{key}-{s.name}") for s in self._sides))
 
     def _alloc(self, n: int) -> list[torch.Tensor]:
         """``n`` slots of the KV pool and of each side pool, all or none."""

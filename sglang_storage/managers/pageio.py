@@ -20,18 +20,64 @@ It starts no threads and never blocks except in ``wait`` and ``exists_now``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, Protocol, TypeAlias
 
 import torch
 
-from sglang_storage.core import GetRequest, ObjectKey, PutRequest
+from sglang_storage.core import GetRequest, ObjectKey, ObjectSpec, PutRequest
 from sglang_storage.errors import ConfigError, StorageError
 from sglang_storage.memory import KVHostPool
-from sglang_storage.transfer import AnyHandle, OpKind, OpState, Priority, StoragePipeline
+from sglang_storage.transfer import AnyHandle, OpState, Priority, StoragePipeline
 
-__all__ = ["HostPageIO", "PageOp"]
+__all__ = ["HostPageIO", "KVPart", "PageKeys", "PageOp", "PagePart"]
 
 _OWNER: Final = "HostPageIO"
+
+PageKeys: TypeAlias = ObjectKey | tuple[ObjectKey, ...]
+"""A page's object key, or one per part (in the order of the parts)."""
+
+
+class PagePart(Protocol):
+    """A pool holding one part of every page: one slot per page."""
+
+    @property
+    def spec(self) -> ObjectSpec:
+        """The stored object's spec of one slot."""
+        ...
+
+    def views(self, slot: int) -> tuple[memoryview, ...]:
+        """Writable byte views of one slot."""
+        ...
+
+    def pin(self, slots: torch.Tensor) -> None:
+        """Keep ``slots`` from being freed while they move."""
+
+    def unpin(self, slots: torch.Tensor) -> None:
+        """Undo one :meth:`pin` of ``slots``."""
+
+
+class KVPart:
+    """A :class:`KVHostPool`'s pages as a :class:`PagePart`."""
+
+    def __init__(self, pool: KVHostPool) -> None:
+        self.pool = pool
+
+    @property
+    def spec(self) -> ObjectSpec:
+        """One page's spec."""
+        return self.pool.page_spec
+
+    def views(self, slot: int) -> tuple[memoryview, ...]:
+        """One page's byte views."""
+        return self.pool.page_views(slot)
+
+    def pin(self, slots: torch.Tensor) -> None:
+        """Pin pages."""
+        self.pool.pin(slots)
+
+    def unpin(self, slots: torch.Tensor) -> None:
+        """Unpin pages."""
+        self.pool.unpin(slots)
 
 
 class PageOp:
@@ -44,21 +90,22 @@ class PageOp:
     @classmethod
     def refused(cls, pages: int = 0, error: StorageError | None = None) -> PageOp:
         """An operation over ``pages`` pages that never started."""
-        return cls(None, torch.empty(pages, dtype=torch.int64), io=None, error=error)
+        return cls(None, torch.empty(pages, 1, dtype=torch.int64), io=None, error=error)
 
     def __init__(
         self,
         handle: AnyHandle | None,
-        pages: torch.Tensor,
+        slots: torch.Tensor,
         *,
         io: HostPageIO | None,
         error: StorageError | None = None,
+        pinned: bool = True,
     ) -> None:
         self._handle = handle
-        self._pages = pages
+        self._slots = slots  # (pages, parts)
         self._io = io
         self._refused = error
-        self._collected = handle is None
+        self._collected = handle is None or not pinned
 
     @property
     def handle(self) -> AnyHandle | None:
@@ -67,8 +114,8 @@ class PageOp:
 
     @property
     def pages(self) -> int:
-        """How many pages (keys) were asked for."""
-        return int(self._pages.numel())
+        """How many pages were asked for."""
+        return int(self._slots.shape[0])
 
     @property
     def error(self) -> StorageError | None:
@@ -97,23 +144,29 @@ class PageOp:
         """Block until the operation ends or ``timeout_s`` passes; whether it ended."""
         return self._handle is None or self._handle.wait(timeout_s)
 
+    def page_ok(self) -> list[bool]:
+        """Per page, whether every part of it was stored / read / found (False while running)."""
+        if not self.done() or self._handle is None:
+            return [False] * self.pages
+        parts = int(self._slots.shape[1])
+        results = [_succeeded(r) for r in self._handle.partial()]
+        return [all(results[i * parts : (i + 1) * parts]) for i in range(self.pages)]
+
     def leading(self) -> int:
         """How many leading pages were stored / read / found (0 before ``done()``)."""
-        if not self.done() or self._handle is None:
-            return 0
         count = 0
-        for result in self._handle.partial():
-            if not _succeeded(result):
+        for ok in self.page_ok():
+            if not ok:
                 break
             count += 1
         return count
 
     def moved_bytes(self) -> int:
         """Payload bytes the leading pages hold."""
-        return 0 if self._io is None else self.leading() * self._io.pool.page_spec.nbytes
+        return 0 if self._io is None else self.leading() * self._io.page_bytes
 
     def collect(self) -> None:
-        """Unpin the pages of an ended operation (idempotent; refused while running).
+        """Unpin the slots of an ended operation (idempotent; refused while running).
 
         Raises:
             StateError: the operation has not ended.
@@ -121,10 +174,10 @@ class PageOp:
         if self._collected:
             return
         assert self._handle is not None
+        assert self._io is not None
         self._handle.partial()  # raises StateError while it runs
         self._collected = True
-        if self._io is not None and self._handle.kind is not OpKind.EXISTS:
-            self._io.pool.unpin(self._pages)
+        self._io.unpin(self._slots)
 
 
 def _succeeded(result: object) -> bool:
@@ -137,99 +190,139 @@ def _succeeded(result: object) -> bool:
 
 
 class HostPageIO:
-    """Pages of ``pool`` to and from storage through ``pipeline``; see the module contract.
+    """Pages of ``parts`` to and from storage through ``pipeline``; see the module contract.
 
     Args:
-        pool: The host pool whose pages move.
+        parts: The pools holding a page's parts, the KV pool first (a bare
+            :class:`KVHostPool` is one part).
         pipeline: The host<->storage pipeline (shared with other users is fine).
     """
 
-    def __init__(self, pool: KVHostPool, pipeline: StoragePipeline) -> None:
-        self.pool = pool
+    def __init__(
+        self, parts: KVHostPool | Sequence[PagePart | KVHostPool], pipeline: StoragePipeline
+    ) -> None:
+        given = [parts] if isinstance(parts, KVHostPool) else list(parts)
+        if not given:
+            raise ConfigError(owner=_OWNER, field="parts", reason="must name at least one pool")
+        self.parts: tuple[PagePart, ...] = tuple(
+            KVPart(p) if isinstance(p, KVHostPool) else p for p in given
+        )
         self.pipeline = pipeline
+        self.page_bytes = sum(p.spec.nbytes for p in self.parts)
+        """Payload bytes of one page, every part."""
 
-    def _check(self, keys: Sequence[ObjectKey], pages: torch.Tensor) -> torch.Tensor:
-        flat = pages.reshape(-1).to("cpu", torch.int64)
-        if flat.numel() != len(keys):
+    def unpin(self, slots: torch.Tensor) -> None:
+        """Undo the pins of ``slots`` (one row per page, one column per part)."""
+        for n, part in enumerate(self.parts):
+            part.unpin(slots[:, n])
+
+    def _rows(
+        self, keys: Sequence[PageKeys], slots: torch.Tensor
+    ) -> tuple[list[tuple[ObjectKey, ...]], torch.Tensor]:
+        parts = len(self.parts)
+        rows = slots.to("cpu", torch.int64)
+        rows = rows.reshape(-1, 1) if rows.dim() <= 1 else rows
+        page_keys = [k if isinstance(k, tuple) else (k,) for k in keys]
+        if rows.shape[0] != len(page_keys) or rows.shape[1] != parts:
             raise ConfigError(
                 owner=_OWNER,
-                field="pages",
-                value=int(flat.numel()),
-                reason=f"must give one host page per key ({len(keys)} keys)",
+                field="slots",
+                value=tuple(rows.shape),
+                reason=f"must be one row per key ({len(page_keys)}) and one slot per part",
+                allowed=f"shape ({len(page_keys)}, {parts})",
             )
-        return flat
+        if any(len(k) != parts for k in page_keys):
+            raise ConfigError(
+                owner=_OWNER,
+                field="keys",
+                reason=f"every page needs one key per part ({parts})",
+            )
+        return page_keys, rows
+
+    def _pin(self, rows: torch.Tensor) -> None:
+        done = 0
+        try:
+            for n, part in enumerate(self.parts):
+                part.pin(rows[:, n])
+                done += 1
+        except BaseException:
+            for n in range(done):
+                self.parts[n].unpin(rows[:, n])
+            raise
+
+    def _submit(
+        self, keys: Sequence[PageKeys], slots: torch.Tensor, *, put: bool, priority: Priority
+    ) -> PageOp:
+        page_keys, rows = self._rows(keys, slots)
+        make = PutRequest if put else GetRequest
+        try:
+            requests = [
+                make(key=key, spec=part.spec, buffers=part.views(int(slot)))
+                for row_keys, row in zip(page_keys, rows.tolist(), strict=True)
+                for key, part, slot in zip(row_keys, self.parts, row, strict=True)
+            ]
+            self._pin(rows)
+        except StorageError as error:
+            return PageOp(None, rows, io=self, error=error)
+        try:
+            if put:
+                handle: AnyHandle = self.pipeline.submit_put(requests, priority=priority)  # type: ignore[arg-type]
+            else:
+                handle = self.pipeline.submit_get(requests, priority=priority)  # type: ignore[arg-type]
+        except StorageError as error:
+            self.unpin(rows)
+            return PageOp(None, rows, io=self, error=error)
+        return PageOp(handle, rows, io=self)
 
     def put(
         self,
-        keys: Sequence[ObjectKey],
-        pages: torch.Tensor,
+        keys: Sequence[PageKeys],
+        slots: torch.Tensor,
         *,
         priority: Priority = Priority.BACKGROUND,
     ) -> PageOp:
-        """Store host ``pages`` under ``keys`` (one page per key).
+        """Store the pages in ``slots`` under ``keys`` (one row of slots per page).
 
         Raises:
-            ConfigError: ``pages`` and ``keys`` differ in length.
+            ConfigError: ``slots`` and ``keys`` do not match in pages or parts.
         """
-        flat = self._check(keys, pages)
-        spec, pool = self.pool.page_spec, self.pool
-        try:
-            requests = [
-                PutRequest(key=key, spec=spec, buffers=pool.page_views(int(p)))
-                for key, p in zip(keys, flat.tolist(), strict=True)
-            ]
-            pool.pin(flat)
-        except StorageError as error:
-            return PageOp(None, flat, io=self, error=error)
-        try:
-            handle = self.pipeline.submit_put(requests, priority=priority)
-        except StorageError as error:
-            pool.unpin(flat)
-            return PageOp(None, flat, io=self, error=error)
-        return PageOp(handle, flat, io=self)
+        return self._submit(keys, slots, put=True, priority=priority)
 
     def get(
         self,
-        keys: Sequence[ObjectKey],
-        pages: torch.Tensor,
+        keys: Sequence[PageKeys],
+        slots: torch.Tensor,
         *,
         priority: Priority = Priority.URGENT,
     ) -> PageOp:
-        """Read ``keys`` into host ``pages`` (one page per key).
+        """Read ``keys`` into the pages in ``slots`` (one row of slots per page).
 
         Raises:
-            ConfigError: ``pages`` and ``keys`` differ in length.
+            ConfigError: ``slots`` and ``keys`` do not match in pages or parts.
         """
-        flat = self._check(keys, pages)
-        spec, pool = self.pool.page_spec, self.pool
-        try:
-            requests = [
-                GetRequest(key=key, spec=spec, buffers=pool.page_views(int(p)))
-                for key, p in zip(keys, flat.tolist(), strict=True)
-            ]
-            pool.pin(flat)
-        except StorageError as error:
-            return PageOp(None, flat, io=self, error=error)
-        try:
-            handle = self.pipeline.submit_get(requests, priority=priority)
-        except StorageError as error:
-            pool.unpin(flat)
-            return PageOp(None, flat, io=self, error=error)
-        return PageOp(handle, flat, io=self)
+        return self._submit(keys, slots, put=False, priority=priority)
 
-    def exists(self, keys: Sequence[ObjectKey], *, deadline_s: float) -> PageOp:
-        """Ask which leading ``keys`` storage holds; the query ends by ``deadline_s``."""
-        empty = torch.empty(len(keys), dtype=torch.int64)
+    def exists(self, keys: Sequence[PageKeys], *, deadline_s: float) -> PageOp:
+        """Ask which leading pages (every part) storage holds; ends by ``deadline_s``."""
+        parts = len(self.parts)
+        page_keys = [k if isinstance(k, tuple) else (k,) for k in keys]
+        shape = torch.empty(len(page_keys), parts, dtype=torch.int64)
+        if any(len(k) != parts for k in page_keys):
+            raise ConfigError(
+                owner=_OWNER, field="keys", reason=f"every page needs one key per part ({parts})"
+            )
         try:
             handle = self.pipeline.submit_exists(
-                list(keys), priority=Priority.URGENT, deadline_s=deadline_s
+                [key for row in page_keys for key in row],
+                priority=Priority.URGENT,
+                deadline_s=deadline_s,
             )
         except StorageError as error:
-            return PageOp(None, empty, io=self, error=error)
-        return PageOp(handle, empty, io=self)
+            return PageOp(None, shape, io=self, error=error)
+        return PageOp(handle, shape, io=self, pinned=False)
 
-    def exists_now(self, keys: Sequence[ObjectKey], *, timeout_s: float) -> int:
-        """How many leading ``keys`` storage holds; 0 when it does not answer in ``timeout_s``."""
+    def exists_now(self, keys: Sequence[PageKeys], *, timeout_s: float) -> int:
+        """How many leading pages storage holds; 0 when it does not answer in ``timeout_s``."""
         if not keys:
             return 0
         op = self.exists(keys, deadline_s=timeout_s)
