@@ -24,8 +24,13 @@ Extra-config keys (everything else is a :class:`~sglang_storage.errors.ConfigErr
   ``--file-storage-path`` (``file_storage_path``) is used as the root.
 - ``eviction``: :class:`~sglang_storage.policy.eviction.EvictionConfig` fields, for a
   backend whose options set ``capacity_bytes`` (LRU when omitted).
-- SGLang's own: ``backend_name``, ``module_path``, ``class_name``, ``interface_v1``,
-  ``allocator``, ``file_storage_path``.
+- The rest of the process's settings (``storage_managers``, ``host_memory``, ...) and
+  SGLang's own keys: :mod:`.runtime`, whose :func:`~.runtime.parse_settings` parses the
+  extra config for every adapter.
+
+The backend is the process's one instance of it (:func:`~.runtime.process_runtime`),
+shared with the decode and embedding adapters, so a ``capacity_bytes`` cap holds across
+them; :meth:`HiCacheBackend.close` releases this adapter's hold on it.
 
 Where pages live: one :class:`~sglang_storage.core.Namespace` per registered pool. Its
 model fingerprint covers the model name, the pool, the page's element type, shape and
