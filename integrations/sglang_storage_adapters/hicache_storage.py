@@ -193,11 +193,19 @@ def _pool_key(name: object) -> str:
     return str(value)
 
 
+_DIGEST_PREFIX: Final = "sha256-"
+
+
 def _object_name(key: str) -> str:
-    """SGLang's key as an object name: as is when safe, else a digest of it."""
-    if _SAFE_NAME.fullmatch(key):
+    """SGLang's key as an object name, a different one for every key.
+
+    A safe key is used as is; any other key, and any key that starts like a digest name,
+    becomes ``sha256-<hex of the key>``. A name kept as is never starts with the prefix,
+    so it cannot be another key's digest name.
+    """
+    if _SAFE_NAME.fullmatch(key) and not key.startswith(_DIGEST_PREFIX):
         return key
-    return "sha256-" + hashlib.sha256(key.encode()).hexdigest()
+    return _DIGEST_PREFIX + hashlib.sha256(key.encode()).hexdigest()
 
 
 @attrs.frozen(kw_only=True, eq=False)
