@@ -69,6 +69,7 @@ def server_args(
     layout: str = "page_first",
     faults: dict[str, float] | None = None,
     timeout_base_s: float | None = None,
+    load_policy: str | None = None,
 ) -> Any:
     """ServerArgs as ``--storage-backend file`` leaves them (flags.hicache_settings).
 
@@ -80,10 +81,10 @@ def server_args(
 
     options: dict[str, object] = {"root": str(root)}
     if faults is None:
-        flags = StorageFlags(backend="file", backend_options=options)
+        flags = StorageFlags(backend="file", backend_options=options, load_policy=load_policy)
     else:
         faulty = {"inner": "file", "inner_options": options, "seed": 7, **faults}
-        flags = StorageFlags(backend="faulty", backend_options=faulty)
+        flags = StorageFlags(backend="faulty", backend_options=faulty, load_policy=load_policy)
     settings = hicache_settings(flags)
     extra = json.loads(str(settings.pop("hicache_storage_backend_extra_config")))
     extra["prefetch_threshold"] = PAGE
@@ -503,3 +504,44 @@ def test_no_sglang_storage_thread_runs(tmp_path: Path, single_rank: None) -> Non
     # Built, attached, backed up, prefetched and reset: none of SGLang's storage threads.
     assert sglang_storage_threads() == before
     assert consumer.cache.cache_controller.storage_core is not None
+
+
+@pytest.mark.parametrize("load_policy", ["cost", "always"])
+def test_cost_policy_skips_a_storage_hit_slower_than_recompute(
+    tmp_path: Path, single_rank: None, load_policy: str
+) -> None:
+    first, second = SEQ, list(range(300, 300 + TOKENS))
+    producer = Tree(server_args(tmp_path))
+    producer.insert_random(first, seed=9)
+    producer.backup_to_storage(first)
+    want = producer.insert_random(second, seed=10)
+    producer.backup_to_storage(second)
+
+    # Every storage call takes 50 ms: 16 tokens load far slower than prefill recomputes
+    # them (1.6 ms at the model's prior 10k tokens/s).
+    slow = {"latency_rate": 1.0, "latency_s": 0.05}
+    consumer = Tree(server_args(tmp_path, faults=slow, load_policy=load_policy))
+    core = consumer.cache.cache_controller.storage_core
+    assert core is not None
+    assert core.config.load_policy.value == load_policy
+    # Before any read the cost model has only its priors (storage at 1 GiB/s): it loads.
+    assert prefetch(consumer, "req-first") == TOKENS
+    assert core.stats().cost_skipped_queries == 0
+
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    cache, request = consumer.cache, CacheRequestHandle("req-second", 0)
+    cache.prefetch_from_storage(request, cache.root_node_handle(), array("q", second), None, None)
+    drain(cache, lambda: cache.check_prefetch_progress(request))
+    loaded = int(cache.pop_prefetch_loaded_tokens(request))
+    stats = core.stats()
+    if load_policy == "cost":
+        # The measured read (50 ms for 4 KiB) says recompute: the hit is not prefetched.
+        assert loaded == 0
+        assert stats.cost_skipped_queries == 1
+        assert stats.cost_skipped_pages == TOKENS // PAGE
+        assert consumer.match(second).host_hit_length == 0
+    else:
+        assert loaded == TOKENS
+        assert stats.cost_skipped_queries == 0
+        assert torch.equal(consumer.load_back(second), want)
