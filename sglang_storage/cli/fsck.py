@@ -21,6 +21,7 @@ from sglang_storage.storage import (
     Backend,
     ObjectReport,
     ObjectState,
+    RepairAction,
     RepairResult,
     Scannable,
     backend_entry,
@@ -28,6 +29,7 @@ from sglang_storage.storage import (
     create_backend,
     summarize,
 )
+from sglang_storage.storage.fsck import planned_action
 from sglang_storage.units import format_bytes
 
 __all__ = [
@@ -66,20 +68,30 @@ _EPILOG = """\
 what is checked:
   every object's header (format version, data kind, shape, model fingerprint, header
   checksum), its size and its payload checksum; temporary files of writers that no
-  longer run (left by a kill -9 mid-write); files the backend did not write.
+  longer run (left by a kill -9 mid-write); files the backend did not write; files
+  whose permissions let other users in (exposed).
 
 states:
   ok             the object verifies
   corrupt        header, size or payload checksum is wrong     --repair quarantines it
   wrong_version  written by another format version             --repair quarantines it
   wrong_model    another model fingerprint than --model        --repair deletes it
-  orphaned_temp  temporary file of a dead writer               --repair removes it
+  orphaned_temp  temporary file (.sgs-...) whose writer is gone --repair removes it
   foreign        not written by sglang-storage: listed, never touched, no effect on
                  the exit status
   quarantined, in_progress   informational (moved aside earlier; a running write)
+  exposed        (any state) readable or writable by users the store's file mode
+                 leaves out (e.g. objects an older version made 0644)
+                                                              --repair restricts it
 
 Without --repair nothing is changed: the file and hf3fs backends are opened read-only
 (no clean-up at open). The memory backend holds only this process's objects.
+
+--repair shows what it will do before it does it, and does nothing else: it is a dry
+run when stdin is a terminal (--yes to act) or with --dry-run; it refuses a --model
+that matches no stored object (a typo would delete the whole store). A directory that
+holds things but no store marker is refused (--adopt checks it as a store; with
+--repair it becomes one).
 
 exit status (as e2fsck):
   0  no problems
@@ -91,6 +103,7 @@ exit status (as e2fsck):
 examples:
   sglang-storage fsck --dir /data/kv-cache
   sglang-storage fsck --dir /data/kv-cache --repair
+  sglang-storage fsck --dir /data/kv-cache --repair --yes
   sglang-storage fsck --dir /data/kv-cache --model llama3-8b-bf16-p64 --json
   sglang-storage fsck --backend hf3fs --backend-config '{"root": "/3fs/kv"}'
 """
@@ -200,6 +213,8 @@ def open_backend(name: str, options: Mapping[str, object]) -> Backend:
     try:
         return create_backend(name, options)
     except ConfigError as error:
+        if error.field == "root" and error.has_value:
+            raise UsageError(f"{error} (fsck --adopt checks it as a store anyway)") from error
         raise UsageError(f"--backend-config: {error}") from error
 
 
@@ -244,8 +259,25 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument(
         "--repair",
         action="store_true",
-        help="quarantine damaged objects, remove orphaned temporary files (and, with "
-        "--model, objects of other models)",
+        help="quarantine damaged objects, remove orphaned temporary files, restrict exposed "
+        "files (and, with --model, delete objects of other models); shown first",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --repair: show what it would do and change nothing (the default when "
+        "stdin is a terminal)",
+    )
+    parser.add_argument(
+        "--yes",
+        action="store_true",
+        help="with --repair: do it without a dry run, also on a terminal",
+    )
+    parser.add_argument(
+        "--adopt",
+        action="store_true",
+        help="check a directory that holds no store marker as a store; with --repair, "
+        "write the marker (what the backend did not write is never touched)",
     )
     parser.add_argument(
         "--model",
@@ -265,12 +297,32 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.model is not None and not args.model:
             raise UsageError("--model: empty fingerprint")
+        if (args.dry_run or args.yes) and not args.repair:
+            raise UsageError("--dry-run and --yes go with --repair")
+        if args.dry_run and args.yes:
+            raise UsageError("--dry-run and --yes contradict each other; give one")
         choice = backend_choice(args)
+        if args.adopt:
+            choice = _adopting(choice)
         return _check(args, choice)
     except UsageError as error:
         return _fail(args, EXIT_USAGE, str(error))
     except StorageError as error:
         return _fail(args, EXIT_OPERATIONAL, str(error))
+
+
+def _adopting(choice: BackendChoice) -> BackendChoice:
+    if "adopt" not in attrs.fields_dict(backend_entry(choice.name).config_type):
+        raise UsageError(f"--adopt: the {choice.name} backend has no store marker to adopt")
+    return attrs.evolve(choice, options={**choice.options, "adopt": True})
+
+
+def _on_terminal() -> bool:
+    """Whether a person is at the command (stdin is a terminal)."""
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _check(args: argparse.Namespace, choice: BackendChoice) -> int:
@@ -280,18 +332,20 @@ def _check(args: argparse.Namespace, choice: BackendChoice) -> int:
         )
     scan_options = inspect_options(choice)
     backend = open_backend(choice.name, scan_options)
+    dry_run = args.repair and (args.dry_run or (not args.yes and _on_terminal()))
     try:
         reports = list(
             scannable(backend, choice.name).scan(payloads=not args.headers_only, model=args.model)
         )
+        problems = [report for report in reports if report.problem]
+        if args.repair:
+            _check_model(args.model, reports)
         repairs: list[RepairResult] | None = None
-        problems = [report for report in reports if report.state.problem]
-        if args.repair and problems:
+        if args.repair and not dry_run and (problems or args.adopt):
             if scan_options.get("read_only") is True:
-                # Reopened writable (which also removes orphans of dead writers at open:
-                # their repair then finds them gone).
+                # Writable now, but with no clean-up at open: only what was shown changes.
                 backend.close()
-                backend = open_backend(choice.name, choice.options)
+                backend = open_backend(choice.name, _repair_options(choice))
             repairs = scannable(backend, choice.name).repair(problems)
     finally:
         backend.close()
@@ -300,10 +354,44 @@ def _check(args: argparse.Namespace, choice: BackendChoice) -> int:
     )
     status = EXIT_CLEAN if not problems else EXIT_LEFT if left else EXIT_REPAIRED
     if args.json:
-        say(json.dumps(_document(args, choice, reports, repairs, status), indent=1))
+        say(json.dumps(_document(args, choice, reports, repairs, status, dry_run), indent=1))
     else:
-        _print_human(args, choice, reports, repairs, left)
+        _print_human(args, choice, reports, repairs, left, dry_run)
     return status
+
+
+def _repair_options(choice: BackendChoice) -> dict[str, object]:
+    options = dict(choice.options)
+    if "clean_at_open" in attrs.fields_dict(backend_entry(choice.name).config_type):
+        options["clean_at_open"] = False
+    return options
+
+
+def _check_model(model: str | None, reports: Sequence[ObjectReport]) -> None:
+    """Refuse a repair whose ``--model`` matches no stored object (it would delete all)."""
+    if model is None or not any(r.state is ObjectState.WRONG_MODEL for r in reports):
+        return
+    counts: dict[str, int] = {}
+    for report in reports:
+        if report.key is not None and report.state is not ObjectState.QUARANTINED:
+            name = report.key.namespace.model
+            counts[name] = counts.get(name, 0) + 1
+    if model in counts:
+        return
+    held = ", ".join(f"{name} ({count})" for name, count in sorted(counts.items()))
+    raise UsageError(
+        f"--model {model!r} matches no stored object, so --repair would delete all "
+        f"{sum(counts.values())} of them; the store holds objects of: {held}. Nothing was "
+        "changed; check the fingerprint"
+    )
+
+
+_VERBS: Final = {
+    RepairAction.QUARANTINED: "quarantine",
+    RepairAction.REMOVED: "remove",
+    RepairAction.RESTRICTED: "restrict",
+    RepairAction.KEPT: "keep",
+}
 
 
 def _report_json(report: ObjectReport) -> dict[str, object]:
@@ -314,6 +402,7 @@ def _report_json(report: ObjectReport) -> dict[str, object]:
         "kind": None if report.kind is None else report.kind.value,
         "bytes": report.nbytes,
         "reason": report.reason,
+        "exposed": report.exposed,
     }
 
 
@@ -323,7 +412,9 @@ def _document(
     reports: Sequence[ObjectReport],
     repairs: Sequence[RepairResult] | None,
     status: int,
+    dry_run: bool,
 ) -> dict[str, object]:
+    problems = [r for r in reports if r.problem]
     return {
         "schema": JSON_SCHEMA,
         "command": "fsck",
@@ -332,8 +423,12 @@ def _document(
         "payloads_checked": not args.headers_only,
         "model": args.model,
         "summary": summarize(reports).as_json(),
-        "problems": [_report_json(r) for r in reports if r.state.problem],
+        "problems": [_report_json(r) for r in problems],
         "foreign": [_report_json(r) for r in reports if r.state is ObjectState.FOREIGN],
+        "plan": None
+        if not args.repair
+        else [{**_report_json(r), "action": planned_action(r).value} for r in problems],
+        "dry_run": dry_run,
         "repair": None
         if repairs is None
         else [
@@ -344,31 +439,58 @@ def _document(
     }
 
 
+_EXPOSED_SHOWN: Final = 20
+
+
 def _print_human(
     args: argparse.Namespace,
     choice: BackendChoice,
     reports: Sequence[ObjectReport],
     repairs: Sequence[RepairResult] | None,
     left: int,
+    dry_run: bool,
 ) -> None:
     where = choice.options.get("root")
     say(f"fsck of the {choice.name} backend" + (f" at {where}" if where else ""))
+    exposed_only = [r for r in reports if r.exposed and not r.state.problem]
     for report in reports:
         if report.state.problem or report.state is ObjectState.FOREIGN:
             say(f"  {report.state.value:<14} {report.location}: {report.reason}")
+    for report in exposed_only[:_EXPOSED_SHOWN]:
+        say(f"  {'exposed':<14} {report.location}: {report.reason}")
+    if len(exposed_only) > _EXPOSED_SHOWN:
+        say(f"  ... and {len(exposed_only) - _EXPOSED_SHOWN} more exposed (--json lists all)")
     summary = summarize(reports)
     say("summary:")
     for state, tally in summary.states.items():
         if tally.count or state in (ObjectState.OK, ObjectState.CORRUPT):
             say(f"  {state.value:<14} {tally.count:>8}  {format_bytes(tally.bytes)}")
+    if summary.exposed.count:
+        exposed = summary.exposed
+        say(f"  {'exposed':<14} {exposed.count:>8}  {format_bytes(exposed.bytes)}")
     if not args.headers_only:
         checked = "payload checksums verified"
     else:
         checked = "headers and sizes only (--headers-only)"
     say(f"checked: {checked}")
+    if args.model is not None and not any(
+        r.key is not None and r.key.namespace.model == args.model for r in reports
+    ):
+        say(f"note: no stored object is of model {args.model!r}")
     problems = summary.problems
+    if args.repair and problems:
+        say("repair plan:" if not dry_run else "repair plan (dry run, nothing is changed):")
+        for report in reports:
+            if report.problem:
+                say(f"  {_VERBS[planned_action(report)]:<12} {report.location}")
     if not problems:
         say("result: clean")
+    elif dry_run:
+        why = "--dry-run" if args.dry_run else "stdin is a terminal"
+        say(
+            f"result: {problems} problem(s) found; dry run ({why}): nothing was changed; "
+            "run again with --repair --yes to do the above"
+        )
     elif repairs is None:
         say(f"result: {problems} problem(s) found; run with --repair to fix them")
     else:

@@ -2,10 +2,21 @@
 
 The embedded default. Layout under ``root``::
 
-    sglang-storage.json                      marker: format version
+    sglang-storage.json                      marker: format version, file mode, creator
     objects/<model>/<kind>/<shard>/<xx>/<name>  one object (header + payload); xx: 256 shards
-    tmp/<pid>.<random>.tmp                   writes in progress
+    tmp/.sgs-<pid>-<token>-<serial>.tmp      writes in progress, each locked by its writer
     quarantine/                              objects that failed verification
+
+**Whose directory it is.** A root is a store once it holds the marker, written when the
+store is created (in a missing or empty directory). A non-empty directory without one is
+refused with a :class:`~sglang_storage.errors.ConfigError` (``adopt=True`` takes it over),
+and nothing the backend did not write is ever removed: only names that start with
+``.sgs-`` are its temporary files.
+
+**Who may read it.** Files are created ``0600`` and directories ``0700`` (KV pages encode
+prompts); ``file_mode`` shares them with a group (:class:`FileMode`). The mode is
+recorded in the marker, so every later open keeps it; ``scan()`` reports objects whose
+permissions allow more.
 
 Writes go to a temporary file, optionally fsync'ed, then are renamed into place, so a
 reader (in any process) sees either no object or a whole one, and concurrent writers of
@@ -18,29 +29,29 @@ Several processes (TP ranks) may share one root. Each keeps its own index of wha
 stored (rebuilt by a directory scan when it opens), learns of other processes' objects
 when it meets them, and enforces ``capacity_bytes`` over what it knows.
 
-Opening removes the temporary files of writers that no longer run (a ``kill -9``
-mid-write leaves one). Opened ``read_only``, the backend changes nothing under ``root``:
-no directories, marker or cleanup at open, no quarantine on a failed read, and writes,
-deletes and clears are refused - how ``sglang-storage fsck`` inspects a store. It is
+Opening removes the temporary files of writers that are gone (a ``kill -9`` mid-write
+leaves one). A writer holds an ``flock`` on its temporary file from its creation until
+it is renamed into place, and the kernel drops it when the writer dies, so the test holds
+across PID namespaces (containers sharing one host directory). Opened ``read_only``,
+the backend changes nothing under ``root``: no directories, marker or cleanup at open,
+no quarantine on a failed read, and writes, deletes and clears are refused - how
+``sglang-storage fsck`` inspects a store. It is
 :class:`~sglang_storage.storage.backend.Scannable`: ``scan()`` reports every object (its
 header, size and payload checksum), orphaned temporary file and foreign file, and
-``repair()`` quarantines damaged objects and removes orphans.
+``repair()`` quarantines damaged objects, removes orphans and restricts objects whose
+permissions let other users read them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import itertools
-import json
 import logging
 import os
 import re
-import shutil
 import stat
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Final
@@ -89,27 +100,45 @@ from sglang_storage.storage.fsck import (
     PayloadHasher,
     RepairAction,
     RepairResult,
+    exposure,
     foreign,
     inspect_header,
     inspect_object,
     namespace_dirs,
     quarantined,
     remove_orphan,
+    restrict,
     scan_temp_dir,
     sorted_entries,
+    temp_report,
 )
 from sglang_storage.storage.posix import (
     IOV_MAX,
+    TEMP_PREFIX,
+    FileMode,
     IOThreads,
+    TempNames,
     advance,
+    claim_root,
+    create_temp,
+    exposed,
+    file_mode_of,
     io_error,
+    make_dirs,
+    marker_fields,
     namespace_of,
-    process_alive,
+    narrowed,
+    process_umask,
+    read_marker,
+    remove_dead_temp,
+    remove_own_tree,
     subdirs,
+    temp_writer,
     write_error,
+    write_marker,
 )
 
-__all__ = ["Durability", "FileBackend", "FileBackendConfig"]
+__all__ = ["Durability", "FileBackend", "FileBackendConfig", "FileMode"]
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +177,19 @@ class FileBackendConfig:
     """Inspect an existing store without changing anything under ``root`` (no cleanup
     at open, no quarantine on a failed read); writes, deletes, clears and repairs raise
     :class:`~sglang_storage.errors.StateError`."""
+    file_mode: FileMode | None = attrs.field(
+        default=None, converter=file_mode_of, validator=optional(instance_of(FileMode))
+    )
+    """Who may read what the backend creates: ``"0600"`` (private, directories
+    ``0700``), ``"0640"`` or ``"0660"`` (shared with the directories' group). ``None``
+    keeps the store's own, recorded in its marker (private for a new store)."""
+    adopt: bool = attrs.field(default=False, validator=instance_of(bool))
+    """Accept a non-empty ``root`` that holds no store marker (and, unless read-only,
+    write one): without it such a directory is refused as someone else's. Files the
+    backend did not write are never touched either way."""
+    clean_at_open: bool = attrs.field(default=True, validator=instance_of(bool))
+    """Remove the temporary files of writers that are gone when opening (``fsck
+    --repair`` turns it off, so that it removes only what it showed)."""
 
 
 class FileBackend:
@@ -160,6 +202,8 @@ class FileBackend:
     Raises:
         BackendUnavailableError: ``root`` cannot be created or used, or holds a store of
             another format version; read-only: ``root`` is not a directory.
+        ConfigError: ``root`` is a non-empty directory without a store marker (and
+            ``adopt`` is false).
     """
 
     name = "file"
@@ -175,9 +219,10 @@ class FileBackend:
         self._objects_dir = self._root / "objects"
         self._objects_prefix = f"{self._objects_dir}/"
         self._tmp_dir = self._root / "tmp"
-        # Temp names: the writer's pid (orphan cleanup reads it), a token, a counter.
-        self._tmp_token = uuid.uuid4().hex[:12]
-        self._tmp_counter = itertools.count()
+        self._tmp_prefix = str(self._tmp_dir)
+        self._temp_names = TempNames()
+        self._umask = process_umask()
+        self._set_mode(config.file_mode or FileMode.PRIVATE)
         self._quarantine_dir = self._root / "quarantine"
         self._index: CapacityIndex[ObjectKey] = CapacityIndex(
             config.capacity_bytes, eviction, owner=f"file backend at {self._root}"
@@ -192,67 +237,98 @@ class FileBackend:
 
     # ------------------------------------------------------------------ opening
 
+    def _set_mode(self, mode: FileMode) -> None:
+        self._mode = mode
+        self._file_bits, self._dir_bits = mode.file_bits, mode.dir_bits
+        # Set exactly only where the umask would narrow them (one fchmod per write).
+        self._file_exact = self._file_bits & ~self._umask != self._file_bits
+        self._dir_exact = self._dir_bits & ~self._umask != self._dir_bits
+
     def _prepare(self) -> None:
         if self._config.read_only:
             self._check_store()
             return
         try:
+            self._make_root()
+            if not claim_root(
+                self._root, MARKER, owner=type(self._config).__name__, adopt=self._config.adopt
+            ):
+                write_marker(
+                    self._root,
+                    MARKER,
+                    marker_fields(
+                        self.name,
+                        {"format_version": FORMAT_VERSION, "file_mode": self._mode.value},
+                    ),
+                    self._temp_names,
+                    mode=self._file_bits,
+                    exact=self._file_exact,
+                )
+            self._use_marker(read_marker(self._root / MARKER), "writes")
             for directory in (self._objects_dir, self._tmp_dir, self._quarantine_dir):
-                directory.mkdir(parents=True, exist_ok=True)
-            marker = self._root / MARKER
-            if marker.exists():
-                content = json.loads(marker.read_text())
-                version = content.get("format_version") if isinstance(content, dict) else None
-                if version != FORMAT_VERSION:
-                    raise BackendUnavailableError(
-                        backend=self.name,
-                        reason=f"{self._root} holds a store of format version {version}; "
-                        f"this build writes version {FORMAT_VERSION} (use another root)",
-                    )
-            else:
-                tmp = self._tmp_dir / f"{os.getpid()}.{uuid.uuid4().hex}.marker"
-                tmp.write_text(json.dumps({"format_version": FORMAT_VERSION}) + "\n")
-                os.replace(tmp, marker)
-            self._remove_orphans()
+                make_dirs(str(directory), self._dir_bits, exact=self._dir_exact)
+            if self._config.clean_at_open:
+                self._remove_orphans()
+        except (ConfigError, BackendUnavailableError):
+            raise
         except (OSError, ValueError) as error:
             raise BackendUnavailableError(
                 backend=self.name, reason=f"cannot use {self._root}: {error}"
             ) from error
 
+    def _make_root(self) -> None:
+        """Create ``root`` (private, or with the configured mode) when it is missing."""
+        if self._root.exists():
+            return
+        self._root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(self._root, self._dir_bits)
+        except FileExistsError:
+            return
+        if self._dir_exact:
+            os.chmod(self._root, self._dir_bits)
+
+    def _use_marker(self, content: dict[str, object], does: str) -> None:
+        """Check the marker's format version; take its file mode unless one was given."""
+        version = content.get("format_version")
+        if version != FORMAT_VERSION:
+            raise BackendUnavailableError(
+                backend=self.name,
+                reason=f"{self._root} holds a store of format version {version}; "
+                f"this build {does} version {FORMAT_VERSION}"
+                + (" (use another root)" if does == "writes" else ""),
+            )
+        recorded = content.get("file_mode")
+        if self._config.file_mode is None and isinstance(recorded, str):
+            with contextlib.suppress(ValueError):
+                self._set_mode(FileMode(recorded))
+
     def _check_store(self) -> None:
-        """Read-only open: the root must exist and hold no store of another version."""
-        marker = self._root / MARKER
+        """Read-only open: the root must be a directory holding this build's store."""
         try:
             if not self._root.is_dir():
                 raise BackendUnavailableError(
                     backend=self.name,
                     reason=f"{self._root} is not a directory (a read-only open creates nothing)",
                 )
-            if marker.exists():
-                content = json.loads(marker.read_text())
-                version = content.get("format_version") if isinstance(content, dict) else None
-                if version != FORMAT_VERSION:
-                    raise BackendUnavailableError(
-                        backend=self.name,
-                        reason=f"{self._root} holds a store of format version {version}; "
-                        f"this build reads version {FORMAT_VERSION}",
-                    )
+            if claim_root(
+                self._root, MARKER, owner=type(self._config).__name__, adopt=self._config.adopt
+            ):
+                self._use_marker(read_marker(self._root / MARKER), "reads")
+        except (ConfigError, BackendUnavailableError):
+            raise
         except (OSError, ValueError) as error:
             raise BackendUnavailableError(
                 backend=self.name, reason=f"cannot use {self._root}: {error}"
             ) from error
 
     def _remove_orphans(self) -> None:
-        """Delete temporary files left by processes that no longer run."""
-        for entry in os.scandir(self._tmp_dir):
-            pid_text = entry.name.split(".", 1)[0]
-            if pid_text.isdigit() and not process_alive(int(pid_text)):
-                if entry.is_dir(follow_symlinks=False):
-                    # A namespace a dead process was clearing.
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+        """Delete temporary files (ours by name) whose writers are gone."""
+        for directory in (self._tmp_dir, self._root):
+            for entry in os.scandir(directory):
+                if temp_writer(entry.name) is not None:
+                    with contextlib.suppress(OSError):
+                        remove_dead_temp(entry.path)
 
     def _rebuild_index(self) -> None:
         """Index every object under ``objects/``, oldest first (the eviction order)."""
@@ -299,6 +375,11 @@ class FileBackend:
     def read_only(self) -> bool:
         """Whether it was opened to inspect only."""
         return self._config.read_only
+
+    @property
+    def file_mode(self) -> FileMode:
+        """Who may read what it creates: the configured mode, else the store's own."""
+        return self._mode
 
     @property
     def capabilities(self) -> Capabilities:
@@ -371,7 +452,7 @@ class FileBackend:
         """Remove every object of ``namespace`` (other namespaces are untouched)."""
         self._check_writable("clear")
         directory = self._objects_dir / namespace.path
-        doomed = self._tmp_dir / f"{os.getpid()}.{uuid.uuid4().hex}.clear"
+        doomed = self._temp_names.next(self._tmp_prefix, "clear")
         try:
             # Renaming first makes the namespace vanish at once for every process.
             os.rename(directory, doomed)
@@ -380,7 +461,7 @@ class FileBackend:
         except OSError as error:
             raise io_error(self.name, f"clear of {namespace.path}", error) from error
         else:
-            shutil.rmtree(doomed, ignore_errors=True)
+            remove_own_tree(doomed)
         for key in self._index.keys():  # noqa: SIM118 - a snapshot, not a dict
             if key.namespace == namespace:
                 self._index.remove(key)
@@ -470,10 +551,11 @@ class FileBackend:
         try:
             if os.stat(path).st_ino != inode:
                 return False
-            target = self._quarantine_dir / f"{time.time_ns()}.{os.getpid()}.{key.name}"
+            target = f"{self._quarantine_dir}/{time.time_ns()}.{os.getpid()}.{key.name}"
             os.rename(path, target)
         except OSError:
             return False
+        self._keep_private(target)
         with self._lock:
             self._quarantined += 1
         return True
@@ -512,27 +594,36 @@ class FileBackend:
         self._index.commit(key, size)
         return PutResult.stored_of(request)
 
+    def _keep_private(self, path: str) -> None:
+        """Narrow a regular file moved aside to the store's mode (links are left alone)."""
+        with contextlib.suppress(OSError):
+            mode = os.lstat(path).st_mode
+            if stat.S_ISREG(mode) and exposed(mode, self._file_bits):
+                os.chmod(path, narrowed(mode, self._file_bits))
+
     def _write(self, request: PutRequest, path: str) -> None:
         durability = self._config.durability
         header = encode_header(request.key, request.spec, checksum(request.buffers))
-        tmp = f"{self._tmp_dir}/{os.getpid()}.{self._tmp_token}.{next(self._tmp_counter)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        # Locked from its creation until it has its final name: the lock says it is live.
+        fd, tmp = create_temp(
+            self._temp_names, self._tmp_prefix, "tmp", self._file_bits, exact=self._file_exact
+        )
         try:
             try:
                 _writev_full(fd, [memoryview(header), *request.buffers])
                 if durability is not Durability.NONE:
                     os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.replace(tmp, path)
-            except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+                try:
+                    os.replace(tmp, path)
+                except FileNotFoundError:
+                    make_dirs(os.path.dirname(path), self._dir_bits, exact=self._dir_exact)
+                    os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+        finally:
+            os.close(fd)
         if durability is Durability.FULL:
             _fsync_dir(os.path.dirname(path))
 
@@ -575,7 +666,13 @@ class FileBackend:
             elif entry.name == "tmp" and entry.is_dir(follow_symlinks=False):
                 yield from scan_temp_dir(self._tmp_dir)
             elif entry.name == "quarantine" and entry.is_dir(follow_symlinks=False):
-                yield from quarantined(self._quarantine_dir, "moved aside after a failed check")
+                yield from quarantined(
+                    self._quarantine_dir,
+                    "moved aside after a failed check",
+                    allowed=self._file_bits,
+                )
+            elif entry.name.startswith(TEMP_PREFIX):
+                yield temp_report(entry)  # a marker being written
             else:
                 yield foreign(entry, "not part of a file store")
 
@@ -602,13 +699,16 @@ class FileBackend:
                 elif fan.name != _fan(key.name):
                     yield foreign(entry, f"not in its fan directory ({_fan(key.name)})")
                 else:
-                    report = _inspect_file(entry.path, key, payloads=payloads, model=model)
+                    report = _inspect_file(
+                        entry.path, key, payloads=payloads, model=model, allowed=self._file_bits
+                    )
                     if report is not None:
                         yield report
 
     def repair(self, reports: Sequence[ObjectReport]) -> list[RepairResult]:
         """Quarantine corrupt and other-version objects, remove orphans and other models.
 
+        Exposed files (objects, quarantined ones) are narrowed to the store's file mode.
         Each problem is acted on only if it is still the file the scan saw (same inode);
         foreign files and healthy objects are kept.
 
@@ -620,10 +720,16 @@ class FileBackend:
 
     def _repair(self, report: ObjectReport) -> RepairResult:
         state, path = report.state, report.location
-        if not state.problem:
+        if not report.problem:
             return RepairResult(report=report, action=RepairAction.KEPT, reason="not a problem")
         if state is ObjectState.ORPHANED_TEMP:
-            return remove_orphan(report, self._tmp_dir)
+            return remove_orphan(report, self._tmp_dir, self._root)
+        if state is ObjectState.QUARANTINED:
+            if Path(path).parent != self._quarantine_dir:
+                return RepairResult(
+                    report=report, action=RepairAction.KEPT, reason="not in this store's quarantine"
+                )
+            return restrict(report, path, self._file_bits, inode=report.identity)
         key = report.key
         if key is None or path != self._path(key):
             return RepairResult(
@@ -642,6 +748,8 @@ class FileBackend:
             return RepairResult(
                 report=report, action=RepairAction.GONE, reason="replaced since the scan"
             )
+        if not state.problem:
+            return restrict(report, path, self._file_bits, inode=inode)
         if state is ObjectState.WRONG_MODEL:
             self._index.remove(key)
             try:
@@ -666,9 +774,12 @@ _CHUNK: Final = 1 << 20
 
 
 def _inspect_file(
-    path: str, key: ObjectKey, *, payloads: bool, model: str | None
+    path: str, key: ObjectKey, *, payloads: bool, model: str | None, allowed: int
 ) -> ObjectReport | None:
-    """Classify the object file at ``path``, which should hold ``key`` (None: gone)."""
+    """Classify the object file at ``path``, which should hold ``key`` (None: gone).
+
+    It is ``exposed`` when its mode lets group or others do more than ``allowed``.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -677,10 +788,10 @@ def _inspect_file(
         return ObjectReport(
             state=ObjectState.CORRUPT, location=path, nbytes=0, key=key, reason=str(error)
         )
-    size = inode = 0
+    size = inode = mode = 0
     try:
         status = os.fstat(fd)
-        size, inode = status.st_size, status.st_ino
+        size, inode, mode = status.st_size, status.st_ino, status.st_mode
         raw = os.pread(fd, HEADER_SIZE, 0)
         check = inspect_header(raw, where=path, expected=key, model=model)
         digest: int | None = None
@@ -691,8 +802,16 @@ def _inspect_file(
         check = HeaderCheck(state=ObjectState.CORRUPT, header=None, reason=f"unreadable: {error}")
     finally:
         os.close(fd)
+    open_to_others = stat.S_ISREG(mode) and exposed(mode, allowed)
+    reasons = [check.reason, exposure(mode, allowed) if open_to_others else ""]
     return ObjectReport(
-        state=check.state, location=path, nbytes=size, key=key, reason=check.reason, identity=inode
+        state=check.state,
+        location=path,
+        nbytes=size,
+        key=key,
+        reason="; ".join(r for r in reasons if r),
+        identity=inode,
+        exposed=open_to_others,
     )
 
 

@@ -15,9 +15,13 @@ backend shares:
 - :class:`PayloadHasher` - the streamed payload checksum a scan compares.
 - :class:`ScanSummary` (built with :func:`summarize`) - counts and bytes by state, and
   of the ``ok`` objects by data kind and by namespace.
+- :func:`planned_action` - what ``repair`` does with a report, for showing it first.
 - What the backends on a directory share: :func:`sorted_entries`, :func:`entry_size`,
-  :func:`foreign`, and the ``tmp/`` directory of writers' temporary files named
-  ``<pid>.<...>`` (:func:`scan_temp_dir`, :func:`remove_orphan`).
+  :func:`foreign`, the writers' temporary files, named ``.sgs-<pid>-<token>-<serial>.<kind>``
+  and locked by their writer (:func:`scan_temp_dir`, :func:`temp_report`,
+  :func:`remove_orphan`; anything else there is foreign), and permissions: a report is
+  ``exposed`` when its file lets group or others do more than the store's file mode allows
+  (:func:`restrict` narrows it).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import shutil
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -43,7 +47,15 @@ from sglang_storage.storage.format import (
     ObjectHeader,
     decode_header,
 )
-from sglang_storage.storage.posix import namespace_of, process_alive
+from sglang_storage.storage.posix import (
+    TempState,
+    exposed,
+    namespace_of,
+    narrowed,
+    probe_temp,
+    remove_dead_temp,
+    temp_writer,
+)
 
 __all__ = [
     "HeaderCheck",
@@ -55,15 +67,19 @@ __all__ = [
     "ScanSummary",
     "Tally",
     "entry_size",
+    "exposure",
     "foreign",
     "inspect_header",
     "inspect_object",
     "namespace_dirs",
+    "planned_action",
     "quarantined",
     "remove_orphan",
+    "restrict",
     "scan_temp_dir",
     "sorted_entries",
     "summarize",
+    "temp_report",
 ]
 
 
@@ -79,13 +95,13 @@ class ObjectState(enum.Enum):
     WRONG_MODEL = "wrong_model"
     """A whole object of another model fingerprint than the one the scan was given."""
     ORPHANED_TEMP = "orphaned_temp"
-    """A temporary file (a write in progress) of a process that no longer runs."""
+    """A temporary file of ours (``.sgs-`` name) whose writer no longer holds its lock."""
     FOREIGN = "foreign"
     """Something the backend did not write; reported, never touched."""
     QUARANTINED = "quarantined"
     """An object moved aside earlier after a failed check (kept for inspection)."""
     IN_PROGRESS = "in_progress"
-    """A temporary file of a process that still runs."""
+    """A temporary file whose writer holds its lock (or whose writer cannot be told)."""
 
     @property
     def problem(self) -> bool:
@@ -119,11 +135,19 @@ class ObjectReport:
     identity: int = attrs.field(default=0, validator=instance_of(int))
     """What the backend needs to tell the same thing from a replacement at repair time
     (an inode, a header checksum); opaque to everyone else."""
+    exposed: bool = attrs.field(default=False, validator=instance_of(bool))
+    """Its file lets group or other users read or write more than the store's file mode
+    allows (``repair`` narrows it)."""
 
     @property
     def kind(self) -> DataKind | None:
         """The data kind of the object, when known."""
         return None if self.key is None else self.key.namespace.kind
+
+    @property
+    def problem(self) -> bool:
+        """Whether an fsck must report it: its state is a problem, or it is exposed."""
+        return self.state.problem or self.exposed
 
 
 class RepairAction(enum.Enum):
@@ -135,6 +159,8 @@ class RepairAction(enum.Enum):
     """Deleted."""
     GONE = "gone"
     """Already gone, or replaced by something else since the scan: nothing to do."""
+    RESTRICTED = "restricted"
+    """Its permissions were narrowed to the store's file mode (it is kept)."""
     KEPT = "kept"
     """Left as it is: nothing wrong with it, or not the backend's to touch."""
     FAILED = "failed"
@@ -143,7 +169,28 @@ class RepairAction(enum.Enum):
     @property
     def resolved(self) -> bool:
         """Whether the problem is no longer there."""
-        return self in (RepairAction.QUARANTINED, RepairAction.REMOVED, RepairAction.GONE)
+        return self in (
+            RepairAction.QUARANTINED,
+            RepairAction.REMOVED,
+            RepairAction.RESTRICTED,
+            RepairAction.GONE,
+        )
+
+
+def planned_action(report: ObjectReport) -> RepairAction:
+    """What ``repair`` does with ``report`` unless it changed since the scan.
+
+    Damaged and other-version objects are quarantined, other models' objects and orphaned
+    temporary files removed, exposed files restricted; anything else is kept.
+    """
+    state = report.state
+    if state in (ObjectState.CORRUPT, ObjectState.WRONG_VERSION):
+        return RepairAction.QUARANTINED
+    if state in (ObjectState.WRONG_MODEL, ObjectState.ORPHANED_TEMP):
+        return RepairAction.REMOVED
+    if report.exposed:
+        return RepairAction.RESTRICTED
+    return RepairAction.KEPT
 
 
 @attrs.frozen(kw_only=True)
@@ -289,6 +336,10 @@ class ScanSummary:
     """``ok`` objects by data kind, every kind included."""
     namespaces: Mapping[str, Tally]
     """``ok`` objects by namespace path (``model/kind/shard``), sorted."""
+    exposed: Tally = attrs.field(factory=Tally)
+    """Things (in any state) whose files allow more than the store's file mode."""
+    exposed_only: int = 0
+    """How many of those are in no problem state: each is a problem by its exposure."""
 
     @property
     def objects(self) -> Tally:
@@ -297,14 +348,16 @@ class ScanSummary:
 
     @property
     def problems(self) -> int:
-        """How many things are in a problem state."""
-        return sum(tally.count for state, tally in self.states.items() if state.problem)
+        """How many things are in a problem state or exposed."""
+        in_state = sum(tally.count for state, tally in self.states.items() if state.problem)
+        return in_state + self.exposed_only
 
     def as_json(self) -> dict[str, Any]:
         """The summary as JSON-ready values (enum values as keys)."""
         return {
             "objects": self.objects.as_json(),
             "problems": self.problems,
+            "exposed": self.exposed.as_json(),
             "states": {state.value: tally.as_json() for state, tally in self.states.items()},
             "kinds": {kind.value: tally.as_json() for kind, tally in self.kinds.items()},
             "namespaces": {path: tally.as_json() for path, tally in self.namespaces.items()},
@@ -316,13 +369,23 @@ def summarize(reports: Iterable[ObjectReport]) -> ScanSummary:
     states = dict.fromkeys(ObjectState, Tally())
     kinds = dict.fromkeys(DataKind, Tally())
     namespaces: dict[str, Tally] = {}
+    exposed_tally, exposed_only = Tally(), 0
     for report in reports:
         states[report.state] = states[report.state].plus(report.nbytes)
+        if report.exposed:
+            exposed_tally = exposed_tally.plus(report.nbytes)
+            exposed_only += not report.state.problem
         if report.state is ObjectState.OK and report.key is not None:
             namespace = report.key.namespace
             kinds[namespace.kind] = kinds[namespace.kind].plus(report.nbytes)
             namespaces[namespace.path] = namespaces.get(namespace.path, Tally()).plus(report.nbytes)
-    return ScanSummary(states=states, kinds=kinds, namespaces=dict(sorted(namespaces.items())))
+    return ScanSummary(
+        states=states,
+        kinds=kinds,
+        namespaces=dict(sorted(namespaces.items())),
+        exposed=exposed_tally,
+        exposed_only=exposed_only,
+    )
 
 
 # ---------------------------------------------------------------------- directories
@@ -389,65 +452,124 @@ def namespace_dirs(root: Path) -> Iterator[ObjectReport | tuple[Namespace, Path]
                 yield namespace, Path(shard_dir.path)
 
 
-def quarantined(directory: Path, reason: str) -> Iterator[ObjectReport]:
-    """A report for each item a backend moved aside into ``directory``."""
+def quarantined(directory: Path, reason: str, *, allowed: int) -> Iterator[ObjectReport]:
+    """A report for each item a backend moved aside into ``directory``.
+
+    Args:
+        directory: The quarantine directory.
+        reason: Why its items are there.
+        allowed: The store's file permission bits; an item allowing more is ``exposed``.
+    """
     for item in sorted_entries(directory):
+        try:
+            status = item.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        regular = stat.S_ISREG(status.st_mode)
         yield ObjectReport(
             state=ObjectState.QUARANTINED,
             location=item.path,
             nbytes=entry_size(item),
             reason=reason,
+            identity=status.st_ino,
+            exposed=regular and exposed(status.st_mode, allowed),
         )
 
 
-def _writer_pid(name: str) -> int | None:
-    pid_text, dot, _ = name.partition(".")
-    return int(pid_text) if dot and pid_text.isdigit() else None
+def exposure(mode: int, allowed: int) -> str:
+    """Why permission bits ``mode`` are a problem where ``allowed`` are the store's."""
+    return f"mode {mode & 0o777:04o} lets other users in beyond the store's {allowed:04o}"
 
 
-def scan_temp_dir(directory: Path) -> Iterator[ObjectReport]:
-    """Report the entries of a ``tmp/`` directory of writers' ``<pid>.<...>`` files.
+def restrict(report: ObjectReport, path: str, allowed: int, *, inode: int | None) -> RepairResult:
+    """Narrow the permissions of file ``path`` (``report``'s) to ``allowed``.
 
-    A dead writer's entry is ``orphaned_temp``, a running one's ``in_progress``, anything
-    else ``foreign``.
+    The file is opened without following links and changed through its descriptor, so a
+    link planted in its place is never followed.
+
+    Args:
+        report: What the scan found.
+        path: The file to change.
+        allowed: The store's file permission bits.
+        inode: The inode the scan saw, when the file must still be that one.
     """
-    for entry in sorted_entries(directory):
-        pid = _writer_pid(entry.name)
-        if pid is None:
-            yield foreign(entry, "not a temporary file of a writer")
-        elif process_alive(pid):
-            yield ObjectReport(
-                state=ObjectState.IN_PROGRESS,
-                location=entry.path,
-                nbytes=entry_size(entry),
-                reason=f"being written by running process {pid}",
-            )
-        else:
-            yield ObjectReport(
-                state=ObjectState.ORPHANED_TEMP,
-                location=entry.path,
-                nbytes=entry_size(entry),
-                reason=f"left by process {pid}, which no longer runs",
-            )
-
-
-def remove_orphan(report: ObjectReport, directory: Path) -> RepairResult:
-    """Remove ``report``'s orphaned temporary file (in ``directory``; writer still dead)."""
-    path = Path(report.location)
-    pid = _writer_pid(path.name)
-    if path.parent != directory or pid is None:
-        return RepairResult(
-            report=report, action=RepairAction.KEPT, reason=f"not a temporary file in {directory}"
-        )
-    if process_alive(pid):
-        return RepairResult(report=report, action=RepairAction.KEPT, reason="its writer runs")
     try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return RepairResult(report=report, action=RepairAction.GONE, reason="no longer there")
     except OSError as error:
         return RepairResult(report=report, action=RepairAction.FAILED, reason=str(error))
-    return RepairResult(report=report, action=RepairAction.REMOVED)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            return RepairResult(
+                report=report, action=RepairAction.KEPT, reason="not a regular file"
+            )
+        if inode is not None and status.st_ino != inode:
+            return RepairResult(
+                report=report, action=RepairAction.GONE, reason="replaced since the scan"
+            )
+        if exposed(status.st_mode, allowed):
+            os.fchmod(fd, narrowed(status.st_mode, allowed))
+    except OSError as error:
+        return RepairResult(report=report, action=RepairAction.FAILED, reason=str(error))
+    finally:
+        os.close(fd)
+    return RepairResult(report=report, action=RepairAction.RESTRICTED)
+
+
+def temp_report(entry: os.DirEntry[str]) -> ObjectReport:
+    """The report of one entry where temporary files live: ours (``.sgs-``) or foreign.
+
+    A temporary file whose writer holds its lock is ``in_progress``, one whose lock
+    nobody holds ``orphaned_temp``; one whose writer cannot be told is ``in_progress``
+    (kept), anything not named and shaped like ours ``foreign``. Changes nothing.
+    """
+    pid = temp_writer(entry.name)
+    if pid is None:
+        return foreign(entry, "not a temporary file of sglang-storage (those are .sgs-...)")
+    state, why = probe_temp(entry.path)
+    if state is TempState.NOT_TEMP:
+        return foreign(entry, f"named like a temporary file but {why}")
+    if state is TempState.DEAD:
+        return ObjectReport(
+            state=ObjectState.ORPHANED_TEMP,
+            location=entry.path,
+            nbytes=entry_size(entry),
+            reason=f"{why} (it was process {pid} where it started)",
+        )
+    return ObjectReport(
+        state=ObjectState.IN_PROGRESS,
+        location=entry.path,
+        nbytes=entry_size(entry),
+        reason=f"being written: {why}" if state is TempState.LIVE else f"kept: {why}",
+    )
+
+
+def scan_temp_dir(directory: Path) -> Iterator[ObjectReport]:
+    """Report every entry of a ``tmp/`` directory (see :func:`temp_report`)."""
+    for entry in sorted_entries(directory):
+        yield temp_report(entry)
+
+
+def remove_orphan(report: ObjectReport, *directories: Path) -> RepairResult:
+    """Remove ``report``'s orphaned temporary file, in one of ``directories``.
+
+    Only a file named like ours whose lock nobody holds now is removed.
+    """
+    path = Path(report.location)
+    if path.parent not in directories or temp_writer(path.name) is None:
+        return RepairResult(
+            report=report,
+            action=RepairAction.KEPT,
+            reason="not a temporary file of sglang-storage where those live",
+        )
+    try:
+        state, why = remove_dead_temp(str(path))
+    except OSError as error:
+        return RepairResult(report=report, action=RepairAction.FAILED, reason=str(error))
+    if state is TempState.DEAD:
+        return RepairResult(report=report, action=RepairAction.REMOVED)
+    if state is TempState.GONE:
+        return RepairResult(report=report, action=RepairAction.GONE, reason=why)
+    return RepairResult(report=report, action=RepairAction.KEPT, reason=why)

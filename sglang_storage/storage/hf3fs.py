@@ -11,8 +11,14 @@ either way). Layout under ``root``::
         class.json                             its geometry, fixed when it is created
         lock                                   byte-range locks: one byte per set
         00000.data ... <data_files - 1>.data   data files, created when first written
-    tmp/                                       class.json files being created
+    tmp/.sgs-<pid>-<token>-<serial>.json       class.json files being created (locked)
     quarantine/                                copies of slots that failed verification
+
+A root is a store once it holds the marker: an existing directory that is not empty and
+has none is refused (``adopt=True`` takes it over), and only ``.sgs-`` temporary files
+whose writer no longer holds their lock are ever removed. Everything the backend creates
+is private to its user (files ``0600``, directories ``0700``) unless ``file_mode`` shares
+it with a group; the marker records the mode.
 
 **Slots and classes.** An object of ``n`` payload bytes takes one slot of
 ``HEADER_SIZE + n`` rounded up to 4 KiB, in the class of its namespace and that slot size.
@@ -59,8 +65,9 @@ should use different roots, since the locks are only coherent on one host.
 reads every slot that holds data and reports its object (header, placement and payload
 checksum), the orphaned temporary files of dead processes and anything under ``root`` the
 backend did not write; ``repair()`` quarantines damaged slots (copy aside, header zeroed)
-and removes orphans. Opened ``read_only`` it changes nothing under ``root`` (no cleanup
-at open, no quarantine on a failed read; writes, deletes and clears are refused).
+removes orphans and narrows data files and quarantined copies whose permissions let
+other users in. Opened ``read_only`` it changes nothing under ``root`` (no cleanup at
+open, no quarantine on a failed read; writes, deletes and clears are refused).
 """
 
 from __future__ import annotations
@@ -79,7 +86,6 @@ import re
 import struct
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -138,24 +144,40 @@ from sglang_storage.storage.fsck import (
     RepairAction,
     RepairResult,
     entry_size,
+    exposure,
     foreign,
     inspect_header,
     inspect_object,
     namespace_dirs,
     quarantined,
     remove_orphan,
+    restrict,
     scan_temp_dir,
     sorted_entries,
+    temp_report,
 )
 from sglang_storage.storage.posix import (
     IOV_MAX,
+    TEMP_PREFIX,
+    FileMode,
     IOThreads,
+    TempNames,
     advance,
+    claim_root,
+    create_temp,
+    exposed,
+    file_mode_of,
     io_error,
+    make_dirs,
+    marker_fields,
     namespace_of,
-    process_alive,
+    process_umask,
+    read_marker,
+    remove_dead_temp,
     subdirs,
+    temp_writer,
     write_error,
+    write_marker,
 )
 
 __all__ = [
@@ -240,6 +262,19 @@ class Hf3fsBackendConfig:
     """Inspect an existing store without changing anything under ``root`` (no cleanup
     at open, no quarantine on a failed read); writes, deletes, clears and repairs raise
     :class:`~sglang_storage.errors.StateError`."""
+    file_mode: FileMode | None = attrs.field(
+        default=None, converter=file_mode_of, validator=optional(instance_of(FileMode))
+    )
+    """Who may read what the backend creates: ``"0600"`` (private, directories
+    ``0700``), ``"0640"`` or ``"0660"`` (shared with the directories' group). ``None``
+    keeps the store's own, recorded in its marker (private for a new store)."""
+    adopt: bool = attrs.field(default=False, validator=instance_of(bool))
+    """Accept a non-empty ``root`` that holds no store marker (and, unless read-only,
+    write one): without it such a directory is refused as someone else's. Files the
+    backend did not write are never touched either way."""
+    clean_at_open: bool = attrs.field(default=True, validator=instance_of(bool))
+    """Remove the temporary files of writers that are gone when opening (``fsck
+    --repair`` turns it off, so that it removes only what it showed)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -424,6 +459,8 @@ class _SlotClass:
         ways: int,
         data_files: int,
         io: _SlotIO,
+        file_bits: int,
+        exact: bool,
     ) -> None:
         self.namespace = namespace
         self.directory = directory
@@ -435,12 +472,12 @@ class _SlotClass:
         self.total_sets = self.sets_per_file * data_files
         self.file_size = slots_per_file * slot_size
         self._io = io
+        self._file_bits = file_bits
+        self._exact = exact
         self._fds: list[int | None] = [None] * data_files
         self._fd_lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
-        self._lock_fd = os.open(
-            directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
-        )
+        self._lock_fd = _open_created(directory / _LOCK_FILE, os.O_RDWR, file_bits, exact)
 
     def path(self, file: int) -> Path:
         return self.directory / f"{file:05d}.data"
@@ -471,9 +508,11 @@ class _SlotClass:
             fd = self._fds[file]
             if fd is not None:
                 return fd
-            flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
             try:
-                fd = os.open(self.path(file), flags, 0o644)
+                if create:
+                    fd = _open_created(self.path(file), os.O_RDWR, self._file_bits, self._exact)
+                else:
+                    fd = os.open(self.path(file), os.O_RDWR | os.O_CLOEXEC)
             except FileNotFoundError:
                 return None
             try:
@@ -561,6 +600,9 @@ class Hf3fsBackend:
         self._classes_dir = self._root / "classes"
         self._tmp_dir = self._root / "tmp"
         self._quarantine_dir = self._root / "quarantine"
+        self._temp_names = TempNames()
+        self._umask = process_umask()
+        self._set_mode(config.file_mode or FileMode.PRIVATE)
         self._index: CapacityIndex[ObjectKey] = CapacityIndex(
             config.capacity_bytes, eviction, owner=f"hf3fs backend at {self._root}"
         )
@@ -636,50 +678,72 @@ class Hf3fsBackend:
                 "a 3FS mount, or use client='posix'"
             ) from error
 
+    def _set_mode(self, mode: FileMode) -> None:
+        self._mode = mode
+        self._file_bits, self._dir_bits = mode.file_bits, mode.dir_bits
+        self._file_exact = self._file_bits & ~self._umask != self._file_bits
+        self._dir_exact = self._dir_bits & ~self._umask != self._dir_bits
+
+    def _marker_wanted(self) -> dict[str, object]:
+        return {"format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION}
+
+    def _use_marker(self, content: dict[str, object], does: str) -> None:
+        """Check the marker's versions; take its file mode unless one was given."""
+        wanted = self._marker_wanted()
+        found = {k: content.get(k) for k in wanted} if content else None
+        if found != wanted:
+            raise self._unavailable(
+                f"{self._root} holds a store of {found}; this build {does} {wanted}"
+                + (" (use another root)" if does == "uses" else "")
+            )
+        recorded = content.get("file_mode")
+        if self._config.file_mode is None and isinstance(recorded, str):
+            with contextlib.suppress(ValueError):
+                self._set_mode(FileMode(recorded))
+
     def _prepare(self) -> None:
         if self._config.read_only:
             self._check_marker()
             return
+        owner = type(self._config).__name__
         try:
+            if not claim_root(self._root, MARKER, owner=owner, adopt=self._config.adopt):
+                write_marker(
+                    self._root,
+                    MARKER,
+                    marker_fields(
+                        self.name, {**self._marker_wanted(), "file_mode": self._mode.value}
+                    ),
+                    self._temp_names,
+                    mode=self._file_bits,
+                    exact=self._file_exact,
+                )
+            self._use_marker(read_marker(self._root / MARKER), "uses")
             for directory in (self._classes_dir, self._tmp_dir, self._quarantine_dir):
-                directory.mkdir(exist_ok=True)
-            marker = self._root / MARKER
-            wanted = {"format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION}
-            if marker.exists():
-                content = json.loads(marker.read_text())
-                found = {k: content.get(k) for k in wanted} if isinstance(content, dict) else None
-                if found != wanted:
-                    raise self._unavailable(
-                        f"{self._root} holds a store of {found}; this build uses {wanted} "
-                        "(use another root)"
-                    )
-            else:
-                tmp = self._tmp_dir / f"{os.getpid()}.{uuid.uuid4().hex}.marker"
-                tmp.write_text(json.dumps(wanted) + "\n")
-                tmp.replace(marker)
-            self._remove_orphans()
+                make_dirs(str(directory), self._dir_bits, exact=self._dir_exact)
+            if self._config.clean_at_open:
+                self._remove_orphans()
             self._check_locks()
+        except (ConfigError, BackendUnavailableError):
+            raise
         except (OSError, ValueError) as error:
             raise self._unavailable(f"cannot use {self._root}: {error}") from error
 
     def _check_marker(self) -> None:
-        """Read-only open: a marker, if present, must be this build's."""
-        marker = self._root / MARKER
-        wanted = {"format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION}
+        """Read-only open: a non-empty root needs a marker, and it must be this build's."""
+        owner = type(self._config).__name__
         try:
-            if not marker.exists():
+            if not claim_root(self._root, MARKER, owner=owner, adopt=self._config.adopt):
                 return
-            content = json.loads(marker.read_text())
+            content = read_marker(self._root / MARKER)
+        except ConfigError:
+            raise
         except (OSError, ValueError) as error:
             raise self._unavailable(f"cannot use {self._root}: {error}") from error
-        found = {k: content.get(k) for k in wanted} if isinstance(content, dict) else None
-        if found != wanted:
-            raise self._unavailable(
-                f"{self._root} holds a store of {found}; this build reads {wanted}"
-            )
+        self._use_marker(content, "reads")
 
     def _check_locks(self) -> None:
-        fd = os.open(self._root / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open_created(self._root / _LOCK_FILE, os.O_RDWR, self._file_bits, self._file_exact)
         try:
             _ofd_lock(fd, 0, 1)
             _ofd_unlock(fd, 0, 1)
@@ -693,11 +757,12 @@ class Hf3fsBackend:
             os.close(fd)
 
     def _remove_orphans(self) -> None:
-        for entry in os.scandir(self._tmp_dir):
-            pid_text = entry.name.split(".", 1)[0]
-            if pid_text.isdigit() and not process_alive(int(pid_text)):
-                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                    Path(entry.path).unlink()
+        """Delete temporary files (ours by name) whose writers are gone."""
+        for directory in (self._tmp_dir, self._root):
+            for entry in os.scandir(directory):
+                if temp_writer(entry.name) is not None:
+                    with contextlib.suppress(OSError):
+                        remove_dead_temp(entry.path)
 
     def _rebuild_index(self) -> None:
         """Index every valid object in the data files (in file order)."""
@@ -799,7 +864,15 @@ class Hf3fsBackend:
             return None
         _, slots_per_file, ways, data_files = numbers
         return _SlotClass(
-            namespace, directory, slot_size, slots_per_file, ways, data_files, self._io
+            namespace,
+            directory,
+            slot_size,
+            slots_per_file,
+            ways,
+            data_files,
+            self._io,
+            self._file_bits,
+            self._file_exact,
         )
 
     def _class_for_write(self, namespace: Namespace, slot_size: int) -> _SlotClass:
@@ -815,16 +888,20 @@ class Hf3fsBackend:
             "ways": min(config.ways, slots_per_file),
             "data_files": config.data_files,
         }
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = self._tmp_dir / f"{os.getpid()}.{uuid.uuid4().hex}.json"
-        tmp.write_text(json.dumps(geometry) + "\n")
+        make_dirs(str(directory), self._dir_bits, exact=self._dir_exact)
+        fd, tmp = create_temp(
+            self._temp_names, self._tmp_dir, "json", self._file_bits, exact=self._file_exact
+        )
         try:
-            # A link fails if another process created the class first: its geometry wins.
-            os.link(tmp, directory / _CLASS_FILE)
-        except FileExistsError:
-            pass
+            try:
+                _write_all(fd, (json.dumps(geometry) + "\n").encode())
+                # A link fails if another process created the class first: its geometry wins.
+                with contextlib.suppress(FileExistsError):
+                    os.link(tmp, directory / _CLASS_FILE)
+            finally:
+                Path(tmp).unlink()
         finally:
-            tmp.unlink()
+            os.close(fd)
         with self._lock:
             listing = self._listings.get(namespace)
             known = dict(listing.by_size) if listing is not None else {}
@@ -1110,6 +1187,16 @@ class Hf3fsBackend:
         except OSError as error:
             log.warning("hf3fs backend: could not quarantine %s: %s", key, error)
 
+    def _write_private(self, target: Path, data: bytes | bytearray) -> None:
+        """Write a new file ``target`` with the store's file mode."""
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._file_bits)
+        try:
+            if self._file_exact:
+                os.fchmod(fd, self._file_bits)
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+
     def _free_slot(self, cls: _SlotClass, slot: int, raw: bytes, *, copy_as: str | None) -> bool:
         """Free ``slot`` if its header is still ``raw``; returns whether it was freed.
 
@@ -1125,7 +1212,7 @@ class Hf3fsBackend:
                 got = self._io.read(fd, offset, [memoryview(copy)])
                 target = self._quarantine_dir / f"{time.time_ns()}.{os.getpid()}.{copy_as}"
                 with contextlib.suppress(OSError):
-                    target.write_bytes(copy[:got])
+                    self._write_private(target, copy[:got])
             self._io.write(fd, offset, [memoryview(_ZERO_HEADER)])
         if copy_as is not None:
             with self._lock:
@@ -1284,7 +1371,8 @@ class Hf3fsBackend:
 
         Changes nothing. Free slots (zero headers, holes) are not reported; a slot whose
         header is damaged, names an object that does not belong in it (another namespace,
-        set or size) or whose payload fails its checksum is ``corrupt``.
+        set or size) or whose payload fails its checksum is ``corrupt``. The slots of a
+        data file whose permissions allow more than the store's file mode are ``exposed``.
         """
         self._check_open()
         for entry in sorted_entries(self._root):
@@ -1297,8 +1385,12 @@ class Hf3fsBackend:
                 yield from scan_temp_dir(self._tmp_dir)
             elif name == "quarantine" and is_dir:
                 yield from quarantined(
-                    self._quarantine_dir, "a slot copied aside after a failed check"
+                    self._quarantine_dir,
+                    "a slot copied aside after a failed check",
+                    allowed=self._file_bits,
                 )
+            elif name.startswith(TEMP_PREFIX):
+                yield temp_report(entry)  # a marker being written
             else:
                 yield foreign(entry, "not part of an hf3fs store")
 
@@ -1338,10 +1430,15 @@ class Hf3fsBackend:
             fd = cls.fd(file, create=False)
             if fd is None:
                 continue
+            mode = os.fstat(fd).st_mode
             for index in _data_slots(fd, cls.slots_per_file, cls.slot_size):
                 report = self._inspect_slot(
                     cls, file * cls.slots_per_file + index, payloads=payloads, model=model
                 )
+                if report is not None and exposed(mode, self._file_bits):
+                    why = f"its data file's {exposure(mode, self._file_bits)}"
+                    reason = f"{report.reason}; {why}" if report.reason else why
+                    report = attrs.evolve(report, exposed=True, reason=reason)
                 if report is not None:
                     yield report
 
@@ -1402,7 +1499,9 @@ class Hf3fsBackend:
     def repair(self, reports: Sequence[ObjectReport]) -> list[RepairResult]:
         """Quarantine damaged slots, free other models' slots, remove orphans.
 
-        A slot is acted on only if its header is still the one the scan saw.
+        Data files and quarantined copies whose permissions allow more than the store's
+        file mode are narrowed to it. A slot is acted on only if its header is still the
+        one the scan saw.
 
         Raises:
             StateError: the backend was opened read-only.
@@ -1411,16 +1510,25 @@ class Hf3fsBackend:
         return [self._repair(report) for report in reports]
 
     def _repair(self, report: ObjectReport) -> RepairResult:
-        if not report.state.problem:
+        if not report.problem:
             return RepairResult(report=report, action=RepairAction.KEPT, reason="not a problem")
         if report.state is ObjectState.ORPHANED_TEMP:
-            return remove_orphan(report, self._tmp_dir)
+            return remove_orphan(report, self._tmp_dir, self._root)
+        if report.state is ObjectState.QUARANTINED:
+            if Path(report.location).parent != self._quarantine_dir:
+                return RepairResult(
+                    report=report, action=RepairAction.KEPT, reason="not in this store's quarantine"
+                )
+            return restrict(report, report.location, self._file_bits, inode=report.identity)
         found = self._slot_of(report.location)
         if found is None:
             return RepairResult(
                 report=report, action=RepairAction.KEPT, reason="not a slot of this store"
             )
         cls, slot = found
+        if not report.state.problem:
+            file, _ = cls.place(slot)
+            return restrict(report, str(cls.path(file)), self._file_bits, inode=None)
         raw = self._header_at(cls, slot)
         if raw is None or int(xxhash.xxh3_64_intdigest(raw)) != report.identity:
             return RepairResult(
@@ -1540,6 +1648,34 @@ def _data_slots(fd: int, slots: int, slot_size: int) -> Iterator[int]:
             return
         yield index
         index += 1
+
+
+def _open_created(path: Path, flags: int, mode: int, exact: bool) -> int:
+    """Open ``path``, creating it with permission bits ``mode`` if it is missing.
+
+    ``exact`` sets them past the umask too; a file another process created is opened as
+    it is.
+    """
+    while True:
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        except FileExistsError:
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile: create it
+                return os.open(path, flags | os.O_CLOEXEC)
+            continue
+        if exact:
+            try:
+                os.fchmod(fd, mode)
+            except OSError:
+                os.close(fd)
+                raise
+        return fd
+
+
+def _write_all(fd: int, data: bytes | bytearray) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _ofd_lock(fd: int, start: int, length: int) -> None:

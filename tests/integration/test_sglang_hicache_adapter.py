@@ -725,11 +725,13 @@ def test_cross_reading_with_hicache_file(tmp_path: Path, mla: bool) -> None:
         ours_object = ours.backend.path_of(ours.object_key(key)).read_bytes()
         assert ours_object[HEADER_SIZE:] == theirs_page == page_bytes(src, page)
 
-    # Neither reads the other's store: a miss, not wrong bytes.
+    # Neither reads the other's store: a miss, not wrong bytes. (Their directory holds no
+    # store marker, so our backend takes it only when told to adopt it.)
     on_their_dir = attach(
         pool("mla" if mla else "mha", "page_first", seed=None),
         storage_config(
-            {"storage_backend": "file", "storage_options": {"root": str(their_dir)}}, mla=mla
+            {"storage_backend": "file", "storage_options": {"root": str(their_dir), "adopt": True}},
+            mla=mla,
         ),
     )
     assert on_their_dir.batch_exists(keys) == 0

@@ -44,6 +44,7 @@ from sglang_storage.core import (
     PutRequest,
 )
 from sglang_storage.storage import Durability, FileBackend, FileBackendConfig, ObjectState
+from sglang_storage.storage.posix import temp_writer
 
 LEDGER_AREA = "kill -9 during writes (file backend)"
 
@@ -107,7 +108,7 @@ def acknowledged(ack_path: Path) -> list[str]:
 
 
 def temp_files_of(root: Path, pid: int) -> list[Path]:
-    return [p for p in (root / "tmp").iterdir() if p.name.startswith(f"{pid}.")]
+    return [p for p in (root / "tmp").iterdir() if temp_writer(p.name) == pid]
 
 
 def kill_mid_write(root: Path, life: int, ack_path: Path, rng: random.Random) -> int:
@@ -178,7 +179,7 @@ def test_kill_9_during_writes_loses_nothing_acknowledged_and_returns_no_wrong_by
             assert by_state[ObjectState.WRONG_VERSION] == []
             assert by_state[ObjectState.FOREIGN] == []
             orphans = by_state[ObjectState.ORPHANED_TEMP]
-            assert all(Path(r.location).name.startswith(f"{pid}.") for r in orphans), orphans
+            assert all(temp_writer(Path(r.location).name) == pid for r in orphans), orphans
             orphans_found += len(orphans)
 
             ok_names = {r.key.name for r in by_state[ObjectState.OK] if r.key is not None}

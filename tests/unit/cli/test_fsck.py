@@ -4,7 +4,6 @@ it finds and repairs in a real store with planted damage."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from sglang_storage.cli import main
 from sglang_storage.core import ObjectSpec, PutOutcome
 from sglang_storage.storage import FileBackend, FileBackendConfig
 from sglang_storage.storage.format import HEADER_SIZE
+from sglang_storage.storage.posix import TempNames
 
 KV = namespace()
 
@@ -29,19 +29,13 @@ FSCK_KEYS = {
     "summary",
     "problems",
     "foreign",
+    "plan",
+    "dry_run",
     "repair",
     "exit_status",
 }
-SUMMARY_KEYS = {"objects", "problems", "states", "kinds", "namespaces"}
-REPORT_KEYS = {"state", "location", "key", "kind", "bytes", "reason"}
-
-
-def dead_pid() -> int:
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-    return pid
+SUMMARY_KEYS = {"objects", "problems", "exposed", "states", "kinds", "namespaces"}
+REPORT_KEYS = {"state", "location", "key", "kind", "bytes", "reason", "exposed"}
 
 
 def make_store(root: Path, count: int = 3) -> FileBackend:
@@ -60,7 +54,7 @@ def damage(root: Path) -> tuple[Path, Path]:
     raw = bytearray(path.read_bytes())
     raw[HEADER_SIZE + 100] ^= 0x01
     path.write_bytes(raw)
-    orphan = root / "tmp" / f"{dead_pid()}.cafe.3.tmp"
+    orphan = Path(TempNames().next(root / "tmp", "tmp"))  # named like ours, nobody's lock
     orphan.write_bytes(b"torn")
     return path, orphan
 
@@ -87,6 +81,10 @@ def test_help_has_states_exit_statuses_and_examples(capsys: pytest.CaptureFixtur
         "--dir PATH",
         "--model FINGERPRINT",
         "--headers-only",
+        "--dry-run",
+        "--yes",
+        "--adopt",
+        "exposed",
         "--json",
         "orphaned_temp",
         "wrong_version",
@@ -125,6 +123,17 @@ def test_help_has_states_exit_statuses_and_examples(capsys: pytest.CaptureFixtur
             ["--repair", "--backend-config", '{"root": "/x", "read_only": true}'],
             "--repair needs a writable backend",
             id="repair-read-only",
+        ),
+        pytest.param(["--dir", "/x", "--yes"], "go with --repair", id="yes-alone"),
+        pytest.param(["--dir", "/x", "--dry-run"], "go with --repair", id="dry-run-alone"),
+        pytest.param(
+            ["--dir", "/x", "--repair", "--dry-run", "--yes"], "give one", id="dry-run-and-yes"
+        ),
+        pytest.param(
+            ["--backend", "memory", "--adopt"], "has no store marker to adopt", id="adopt-memory"
+        ),
+        pytest.param(
+            ["--backend-config", '{"root": "/x", "file_mode": "0644"}'], "file_mode", id="mode"
         ),
     ],
 )
@@ -223,7 +232,13 @@ def test_repair_is_1_then_clean_is_0(tmp_path: Path, capsys: pytest.CaptureFixtu
     status, document, _ = fsck(capsys, "--dir", str(tmp_path), "--repair")
     assert status == 1
     actions = {a["state"]: a["action"] for a in document["repair"]}
-    assert actions == {"corrupt": "quarantined", "orphaned_temp": "gone"}
+    # The repair removes the orphan itself: reopening for it cleans up nothing unshown.
+    assert actions == {"corrupt": "quarantined", "orphaned_temp": "removed"}
+    assert [(p["state"], p["action"]) for p in document["plan"]] == [
+        ("corrupt", "quarantined"),
+        ("orphaned_temp", "removed"),
+    ]
+    assert document["dry_run"] is False
     assert [f["location"] for f in document["foreign"]] == [str(tmp_path / "notes.txt")]
     assert not corrupt.exists()
     assert not orphan.exists()
@@ -248,10 +263,13 @@ def test_model_and_headers_only(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert document["model"] == "model-z"
     states = sorted(p["state"] for p in document["problems"])
     assert states == ["corrupt", "orphaned_temp", "wrong_model", "wrong_model"]
-    status, document, _ = fsck(capsys, "--dir", str(tmp_path), "--model", "model-z", "--repair")
-    assert status == 1
+    # A fingerprint that matches nothing stored would delete every object: refused.
+    status, document, err = fsck(capsys, "--dir", str(tmp_path), "--model", "model-z", "--repair")
+    assert status == 2
+    assert "--model 'model-z' matches no stored object" in err
+    assert "model-a (3)" in document["error"]
     status, document, _ = fsck(capsys, "--dir", str(tmp_path))
-    assert (status, document["summary"]["objects"]["count"]) == (0, 0)
+    assert (status, document["summary"]["objects"]["count"]) == (4, 2)
 
 
 def test_memory_backend_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
@@ -301,3 +319,35 @@ def test_mooncake_cannot_be_scanned(tmp_path: Path, capsys: pytest.CaptureFixtur
         stats = json.loads(capsys.readouterr().out)
         assert (stats["scanned"], stats["contents"]) == (False, None)
         assert "objects" in stats["backend_stats"]
+
+
+def test_dry_run_shows_the_plan_and_changes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corrupt, orphan = damage(tmp_path)
+    before = corrupt.read_bytes()
+    status, document, _ = fsck(capsys, "--dir", str(tmp_path), "--repair", "--dry-run")
+    assert (status, document["dry_run"], document["repair"]) == (4, True, None)
+    assert {(p["location"], p["action"]) for p in document["plan"]} == {
+        (str(corrupt), "quarantined"),
+        (str(orphan), "removed"),
+    }
+    assert corrupt.read_bytes() == before
+    assert orphan.exists()
+    assert main(["fsck", "--dir", str(tmp_path), "--repair", "--dry-run"]) == 4
+    text = capsys.readouterr().out
+    assert f"quarantine   {corrupt}" in text
+    assert f"remove       {orphan}" in text
+    assert "dry run (--dry-run): nothing was changed" in text
+
+
+def test_exposed_objects_are_listed_in_the_human_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with make_store(tmp_path) as backend:
+        path = backend.path_of(KV.key("obj2"))
+    path.chmod(0o644)
+    assert main(["fsck", "--dir", str(tmp_path)]) == 4
+    text = capsys.readouterr().out
+    assert f"exposed        {path}: mode 0644 lets other users in" in text
+    assert "result: 1 problem(s) found" in text

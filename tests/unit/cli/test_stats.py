@@ -13,6 +13,7 @@ from sglang_storage.cli import main
 from sglang_storage.core import DataKind, ObjectKey, ObjectSpec, PutOutcome, Shard
 from sglang_storage.storage import Backend, FileBackend, FileBackendConfig, create_backend
 from sglang_storage.storage.format import HEADER_SIZE
+from sglang_storage.storage.posix import TempNames
 
 STATS_KEYS = {"schema", "command", "backend", "options", "scanned", "contents", "backend_stats"}
 CONTENTS = {
@@ -48,7 +49,7 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
 def test_json_by_namespace_and_kind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with FileBackend(FileBackendConfig(root=tmp_path)) as backend:
         keys = fill(backend)
-    orphan = tmp_path / "tmp" / "999999999.x.tmp"
+    orphan = Path(TempNames().next(tmp_path / "tmp", "tmp"))
     orphan.write_bytes(b"torn")
     status, document = stats_json(capsys, "--dir", str(tmp_path))
     assert status == 0

@@ -55,6 +55,7 @@ from sglang_storage.policy.eviction import EvictionConfig, make_eviction_policy
 from sglang_storage.storage import Durability, FileBackend, FileBackendConfig, create_backend
 from sglang_storage.storage.file import MARKER
 from sglang_storage.storage.format import FORMAT_VERSION, HEADER_SIZE
+from sglang_storage.storage.posix import TempNames, create_temp, temp_writer
 
 TESTS_DIR = Path(__file__).resolve().parents[2]
 
@@ -145,7 +146,14 @@ def test_capabilities(tmp_path: Path) -> None:
 def test_directory_layout(tmp_path: Path) -> None:
     root = tmp_path / "a" / "new" / "root"
     with open_file(root) as backend:
-        assert json.loads((root / MARKER).read_text()) == {"format_version": FORMAT_VERSION}
+        marker = json.loads((root / MARKER).read_text())
+        assert (marker["format_version"], marker["backend"], marker["file_mode"]) == (
+            FORMAT_VERSION,
+            "file",
+            "0600",
+        )
+        assert marker["created_by"].startswith("sglang-storage ")
+        assert marker["creator"]["pid"] == os.getpid()
         assert {p.name for p in root.iterdir()} == {MARKER, "objects", "tmp", "quarantine"}
         shard = Shard(tp_rank=1, tp_size=4, pp_rank=0, pp_size=2)
         ns = namespace(model="fp-123", kind=DataKind.EMBEDDING, shard=shard)
@@ -265,21 +273,28 @@ def test_index_rebuild_of_5000_objects_is_fast(tmp_path: Path) -> None:
 def test_orphan_temp_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
     open_file(tmp_path).close()
     tmp = tmp_path / "tmp"
-    dead = tmp / f"{dead_pid()}.0123abcd.tmp"
-    live = tmp / f"{os.getpid()}.4567ef01.tmp"
-    foreign = tmp / "notes.txt"
-    for path in (dead, live, foreign):
+    dead = Path(TempNames().next(tmp, "tmp"))  # named like ours, nobody holds its lock
+    dead.write_bytes(b"partial object")
+    fd, live_name = create_temp(TempNames(), tmp, "tmp", 0o600, exact=False)
+    live = Path(live_name)
+    foreign = [tmp / "notes.txt", tmp / f"{dead_pid()}.0123abcd.tmp"]
+    for path in foreign:
         path.write_bytes(b"partial object")
-    with open_file(tmp_path) as backend:
-        assert not dead.exists()
-        assert live.exists(), "a running process's write in progress must be kept"
-        assert foreign.exists()
-        assert backend.stats().objects == 0
+    try:
+        with open_file(tmp_path) as backend:
+            assert not dead.exists()
+            assert live.exists(), "a running process's write in progress must be kept"
+            assert all(p.exists() for p in foreign), "what is not named like ours stays"
+            assert backend.stats().objects == 0
+    finally:
+        os.close(fd)
+    open_file(tmp_path).close()
+    assert not live.exists(), "once its writer let go of it, it is an orphan"
 
 
 def test_orphan_clear_directory_of_dead_process_is_removed(tmp_path: Path) -> None:
     open_file(tmp_path).close()
-    leftover = tmp_path / "tmp" / f"{dead_pid()}.89abcdef.clear"
+    leftover = Path(TempNames().next(tmp_path / "tmp", "clear"))
     (leftover / "00").mkdir(parents=True)
     (leftover / "00" / "obj").write_bytes(b"x" * 600)
     with open_file(tmp_path):
@@ -575,7 +590,7 @@ while True:
 
 
 def _child_temp_files(root: Path, pid: int) -> list[Path]:
-    return [p for p in (root / "tmp").iterdir() if p.name.startswith(f"{pid}.")]
+    return [p for p in (root / "tmp").iterdir() if temp_writer(p.name) == pid]
 
 
 def _kill_writer_mid_write(root: Path) -> int:

@@ -2,14 +2,16 @@
 ``file`` and ``memory`` backends on real directories with planted damage.
 
 Damage is planted the way it happens: a flipped payload bit, a file cut short, a header
-byte hit, a writer killed mid-write (a temporary file of a dead pid), an object of another
-format version, and files that are not ours (in the root, under ``objects/``, in a fan
-directory they do not belong to).
+byte hit, a writer killed mid-write (a temporary file named like ours whose lock nobody
+holds), an object of another format version, and files that are not ours (in the root,
+under ``objects/``, in a fan directory they do not belong to, in ``tmp/`` with a name that
+only looks like an old writer's).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from sglang_storage.storage import (
 )
 from sglang_storage.storage.format import FORMAT_VERSION, HEADER_SIZE, checksum, encode_header
 from sglang_storage.storage.fsck import inspect_header, inspect_object
+from sglang_storage.storage.posix import TempNames, create_temp
 
 KV = namespace()
 EMB = namespace(kind=DataKind.EMBEDDING)
@@ -41,6 +44,32 @@ def dead_pid() -> int:
         os._exit(0)
     os.waitpid(pid, 0)
     return pid
+
+
+HELD: list[int] = []
+"""Descriptors of temporary files this test process holds the lock of (a live writer)."""
+
+
+@pytest.fixture(autouse=True)
+def _release_held_temp_files() -> Iterator[None]:
+    yield
+    while HELD:
+        os.close(HELD.pop())
+
+
+def orphan_temp(directory: Path, data: bytes) -> Path:
+    """A temporary file as a writer killed mid-write leaves it: named like ours, unlocked."""
+    path = Path(TempNames().next(directory, "tmp"))
+    path.write_bytes(data)
+    return path
+
+
+def live_temp(directory: Path, data: bytes) -> Path:
+    """A temporary file whose writer (this process) still holds its lock."""
+    fd, path = create_temp(TempNames(), directory, "tmp", 0o600, exact=False)
+    os.write(fd, data)
+    HELD.append(fd)
+    return Path(path)
 
 
 def store(backend: FileBackend | MemoryBackend, key: ObjectKey, nbytes: int) -> bytes:
@@ -159,10 +188,8 @@ def planted_store(root: Path) -> dict[str, Path]:
     raw[40] ^= 0xFF
     paths["head"].write_bytes(raw)
     paths["future"].write_bytes(other_version(paths["future"].read_bytes()))
-    paths["orphan"] = root / "tmp" / f"{dead_pid()}.0123abcd.7.tmp"
-    paths["orphan"].write_bytes(b"half an object")
-    paths["live"] = root / "tmp" / f"{os.getpid()}.4567ef01.0.tmp"
-    paths["live"].write_bytes(b"being written")
+    paths["orphan"] = orphan_temp(root / "tmp", b"half an object")
+    paths["live"] = live_temp(root / "tmp", b"being written")
     fan = paths["good0"].parent
     wrong_fan = fan.parent / f"{(int(fan.name, 16) + 1) % 256:02x}"
     wrong_fan.mkdir(exist_ok=True)
@@ -173,6 +200,9 @@ def planted_store(root: Path) -> dict[str, Path]:
         "badname": fan / "bad name!",
         "misplaced": wrong_fan / "good0",
         "tmpjunk": root / "tmp" / "editor.swp",
+        # <pid>.<anything> of a dead pid: how temporary files were once named, and how
+        # anyone's file may be named. Not ours: reported, never removed.
+        "pidlike": root / "tmp" / f"{dead_pid()}.0123abcd.7.tmp",
     }
     for name, path in foreign.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,6 +234,7 @@ def test_file_scan_tells_every_kind_of_thing_apart_and_changes_nothing(tmp_path:
         "misplaced": ObjectState.FOREIGN,
         "badname": ObjectState.FOREIGN,
         "tmpjunk": ObjectState.FOREIGN,
+        "pidlike": ObjectState.FOREIGN,
         "good0": ObjectState.OK,
     }
     for name, state in expected.items():
@@ -224,7 +255,7 @@ def test_file_scan_tells_every_kind_of_thing_apart_and_changes_nothing(tmp_path:
     assert summary.objects.bytes == sum(sizes)
     assert summary.kinds[DataKind.EMBEDDING].count == 1
     assert summary.problems == 5
-    assert summary.states[ObjectState.FOREIGN].count == 6  # badkind: its directory
+    assert summary.states[ObjectState.FOREIGN].count == 7  # badkind: its directory
 
 
 def test_headers_only_scan_skips_payload_checksums(tmp_path: Path) -> None:
@@ -250,7 +281,7 @@ def test_repair_quarantines_removes_and_keeps_what_is_not_ours(tmp_path: Path) -
             assert actions[str(paths[name])] is RepairAction.QUARANTINED, name
         # Opening the store removed the dead writer's temporary file first.
         assert actions[str(paths["orphan"])] is RepairAction.GONE
-        for name in ("notes", "misplaced", "badname", "live", "good0", "tmpjunk"):
+        for name in ("notes", "misplaced", "badname", "live", "good0", "tmpjunk", "pidlike"):
             assert actions[str(paths[name])] is RepairAction.KEPT, name
         assert all(r.action.resolved for r in results if r.report.state.problem)
         assert len(problems) == 5
@@ -258,8 +289,8 @@ def test_repair_quarantines_removes_and_keeps_what_is_not_ours(tmp_path: Path) -
         after = list(backend.scan())
         for name in ("flip", "future", "orphan"):
             assert not paths[name].exists()
-        for name in ("notes", "misplaced", "badname", "live", "tmpjunk"):
-            assert paths[name].exists(), f"{name} is not ours and must stay"
+        for name in ("notes", "misplaced", "badname", "live", "tmpjunk", "pidlike"):
+            assert paths[name].exists(), f"{name} is not ours to remove and must stay"
         assert summarize(after).problems == 0
         assert summarize(after).states[ObjectState.QUARANTINED].count == 4
         # A repaired key is a plain miss; it can be written again.
@@ -270,8 +301,7 @@ def test_repair_quarantines_removes_and_keeps_what_is_not_ours(tmp_path: Path) -
 
 def test_repair_removes_an_orphan_a_running_backend_left(tmp_path: Path) -> None:
     with FileBackend(FileBackendConfig(root=tmp_path)) as backend:
-        orphan = tmp_path / "tmp" / f"{dead_pid()}.feed.1.tmp"
-        orphan.write_bytes(b"x" * 10)
+        orphan = orphan_temp(tmp_path / "tmp", b"x" * 10)
         [report] = [r for r in backend.scan() if r.state is ObjectState.ORPHANED_TEMP]
         [result] = backend.repair([report])
         assert result.action is RepairAction.REMOVED
@@ -372,6 +402,34 @@ def test_read_only_open_refuses_another_format_version(tmp_path: Path) -> None:
     (tmp_path / "sglang-storage.json").write_text('{"format_version": 99}\n')
     with pytest.raises(BackendUnavailableError, match="format version 99"):
         FileBackend(FileBackendConfig(root=tmp_path, read_only=True))
+
+
+def test_exposed_objects_and_quarantined_files_are_narrowed_never_through_a_link(
+    tmp_path: Path,
+) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone's")
+    outside.chmod(0o644)
+    root = tmp_path / "store"
+    with FileBackend(FileBackendConfig(root=root)) as backend:
+        store(backend, KV.key("open"), 100)
+        store(backend, KV.key("closed"), 100)
+        opened = backend.path_of(KV.key("open"))
+        opened.chmod(0o664)
+        moved = root / "quarantine" / "1.2.old"
+        moved.write_bytes(b"aside")
+        moved.chmod(0o644)
+        (root / "quarantine" / "1.3.link").symlink_to(outside)
+        reports = list(backend.scan())
+        exposed = sorted(r.location for r in reports if r.exposed)
+        assert exposed == sorted([str(opened), str(moved)])
+        assert summarize(reports).exposed.count == 2
+        assert summarize(reports).problems == 2
+        results = {r.report.location: r.action for r in backend.repair(reports)}
+        assert results[str(opened)] is RepairAction.RESTRICTED
+        assert results[str(moved)] is RepairAction.RESTRICTED
+    assert (opened.stat().st_mode & 0o777, moved.stat().st_mode & 0o777) == (0o600, 0o600)
+    assert outside.stat().st_mode & 0o777 == 0o644, "a link was followed"
 
 
 # ------------------------------------------------------------------ memory backend

@@ -120,7 +120,9 @@ def test_bad_options_name_the_field(name: str, options: dict[str, object], field
 def test_unknown_option_lists_the_allowed_ones() -> None:
     with pytest.raises(ConfigError) as caught:
         create_backend("file", {"root": "/x", "fsync": True})
-    assert caught.value.allowed == "capacity_bytes, durability, io_threads, read_only, root"
+    assert caught.value.allowed == (
+        "adopt, capacity_bytes, clean_at_open, durability, file_mode, io_threads, read_only, root"
+    )
 
 
 def test_options_of_another_type_are_refused(tmp_path: Path) -> None:

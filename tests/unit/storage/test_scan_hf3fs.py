@@ -2,7 +2,8 @@
 
 Damage is written into the slots of the real data files: a flipped payload bit, a slot
 whose header a future format version wrote, a header hit by a stray write; plus a dead
-writer's temporary file and files that are not the backend's.
+writer's temporary file (named like ours, its lock held by nobody) and files that are not
+the backend's (one named as temporary files once were, ``<dead pid>.<...>``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sglang_storage.storage import (
     summarize,
 )
 from sglang_storage.storage.format import FORMAT_VERSION, HEADER_SIZE
+from sglang_storage.storage.posix import TempNames
 
 KV = namespace()
 
@@ -77,8 +79,10 @@ def test_scan_reports_slots_orphans_and_foreign_files(tmp_path: Path) -> None:
         flip = write_at(backend, KV.key("k1"), HEADER_SIZE + 10, bytes([data["k1"][10] ^ 1]))
         future = write_at(backend, KV.key("k2"), 4, (FORMAT_VERSION + 1).to_bytes(2, "little"))
         hit = write_at(backend, KV.key("k3"), 40, b"\xff")
-        orphan = tmp_path / "tmp" / f"{dead_pid()}.abcdef.json"
+        orphan = Path(TempNames().next(tmp_path / "tmp", "json"))
         orphan.write_text("{}")
+        pidlike = tmp_path / "tmp" / f"{dead_pid()}.abcdef.json"
+        pidlike.write_text("{}")
         notes = tmp_path / "notes.txt"
         notes.write_text("mine, not the store's")
         stray = backend.locate(KV.key("k0"))
@@ -95,6 +99,7 @@ def test_scan_reports_slots_orphans_and_foreign_files(tmp_path: Path) -> None:
         assert found[hit].reason == "header checksum mismatch"
         assert found[str(orphan)].state is ObjectState.ORPHANED_TEMP
         assert found[str(notes)].state is ObjectState.FOREIGN
+        assert found[str(pidlike)].state is ObjectState.FOREIGN
         assert found[str(loose)].state is ObjectState.FOREIGN
         assert summarize(reports).problems == 4
 
@@ -110,7 +115,9 @@ def test_scan_reports_slots_orphans_and_foreign_files(tmp_path: Path) -> None:
         assert actions[hit] is RepairAction.QUARANTINED
         assert actions[str(orphan)] is RepairAction.REMOVED
         assert actions[str(notes)] is RepairAction.KEPT
+        assert actions[str(pidlike)] is RepairAction.KEPT
         assert notes.exists()
+        assert pidlike.exists()
         assert loose.exists()
         assert not orphan.exists()
         after = summarize(backend.scan())
@@ -143,7 +150,7 @@ def test_read_only_open_changes_nothing(tmp_path: Path) -> None:
     with open_local(tmp_path) as backend:
         data = store(backend, KV.key("k"), 2000)
         flip = write_at(backend, KV.key("k"), HEADER_SIZE + 5, bytes([data[5] ^ 1]))
-    orphan = tmp_path / "tmp" / f"{dead_pid()}.abcdef.json"
+    orphan = Path(TempNames().next(tmp_path / "tmp", "json"))
     orphan.write_text("{}")
     with open_local(tmp_path, read_only=True) as backend:
         [report] = [r for r in backend.scan() if r.state is ObjectState.CORRUPT]
@@ -164,3 +171,24 @@ def test_read_only_open_changes_nothing(tmp_path: Path) -> None:
             ObjectState.CORRUPT,
             ObjectState.ORPHANED_TEMP,
         ]
+
+
+def test_data_files_open_to_others_are_exposed_and_repair_narrows_them(tmp_path: Path) -> None:
+    with open_local(tmp_path) as backend:
+        for i in range(3):
+            store(backend, KV.key(f"k{i}"), 100)
+        where = backend.locate(KV.key("k0"))
+        assert where is not None
+        assert where.path.stat().st_mode & 0o777 == 0o600
+        where.path.chmod(0o644)  # as an older version created every data file
+        reports = list(backend.scan())
+        exposed = [r for r in reports if r.exposed]
+        assert exposed
+        assert all(r.location.startswith(f"{where.path}@") for r in exposed)
+        assert all(r.state is ObjectState.OK for r in exposed)
+        assert all("data file's mode 0644" in r.reason for r in exposed)
+        assert summarize(reports).problems == len(exposed)
+        results = backend.repair([r for r in reports if r.problem])
+        assert {r.action for r in results} == {RepairAction.RESTRICTED}
+        assert where.path.stat().st_mode & 0o777 == 0o600
+        assert summarize(backend.scan()).problems == 0
