@@ -684,6 +684,7 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         self._deliver(core.close())
         if pipeline is not None:
             pipeline.close(drain=True)
+            core.poll()  # calls that outlived the close have returned: unpin their pages
         self._queries.clear()
         self._reads.clear()
         self._read_ids.clear()

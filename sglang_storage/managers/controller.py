@@ -242,6 +242,7 @@ class CacheController:
         self._reads: deque[_Read] = deque()
         self._reads_by_id: dict[int, _Read] = {}
         self._backups: deque[tuple[int, PageOp]] = deque()
+        self._lingering: list[PageOp] = []  # reported ended by close(), calls still running
         self._counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ parts
@@ -382,13 +383,18 @@ class CacheController:
         self._poll_queries(events)
         self._poll_reads(events)
         self._poll_backups(events)
+        for op in [op for op in self._lingering if op.done()]:
+            self._lingering.remove(op)
+            op.collect()  # a call that outlived close() has returned: its pages are free
         return events
 
     def close(self, timeout_s: float = 10.0) -> list[ControllerEvent]:
         """Cancel reads and queries, wait (bounded) for backups; the final events.
 
         Agreements still open are not waited for: what the ranks did not decide in time
-        is reported as not agreed (0 pages).
+        is reported as not agreed (0 pages). A read or backup whose backend call outlives
+        the bound is reported ended with what had landed, but its pages stay pinned (the
+        call still writes or reads them) until a later ``poll()`` sees the call return.
         """
         deadline = time.monotonic() + timeout_s
         for read in self._reads:
@@ -413,8 +419,7 @@ class CacheController:
         self._queries.clear()
         for read in self._reads:
             for op in read.ops:
-                if op.done():
-                    op.collect()
+                self._collect_or_linger(op)
             events.append(
                 ReadProgress(
                     read_id=read.read_id,
@@ -427,8 +432,7 @@ class CacheController:
         self._reads.clear()
         self._reads_by_id.clear()
         for backup_id, op in self._backups:
-            if op.done():
-                op.collect()
+            self._collect_or_linger(op)
             events.append(
                 BackupEnded(
                     backup_id=backup_id,
@@ -440,6 +444,12 @@ class CacheController:
             )
         self._backups.clear()
         return events
+
+    def _collect_or_linger(self, op: PageOp) -> None:
+        if op.done():
+            op.collect()
+        else:
+            self._lingering.append(op)
 
     def stats(self) -> ControllerStats:
         """Counts so far."""

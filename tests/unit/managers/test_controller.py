@@ -497,12 +497,6 @@ def test_close_ends_everything_in_flight_within_its_bound(faulty: SlowKeys) -> N
     assert rig.controller.poll() == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="close() reports a read (final=True) and a backup as ended while their backend "
-    "calls are still in flight, then forgets their ops: the pages stay pinned for good "
-    "once those calls return (nothing collects them, not even a later poll or close)",
-)
 def test_close_past_its_bound_leaves_no_page_pinned_once_the_calls_return(
     faulty: SlowKeys,
 ) -> None:
