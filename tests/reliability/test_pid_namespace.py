@@ -127,6 +127,7 @@ def test_a_live_writer_seen_from_another_pid_namespace_keeps_its_temporary_file(
             orphan = Path(TempNames().next(root / "tmp", "tmp"))
             orphan.write_bytes(b"half an object")
             ledger.fault("pid_namespace")
+            ledger.fault("dead_writer")
             ledger.operation(2)
             seen = in_other_namespace(unshare, root)
         finally:
