@@ -297,7 +297,8 @@ def test_backup_evict_load_back_and_host_release(
     assert tree.host_available() == full - TOKENS
     # The storage backup ran on our pipeline, not SGLang's backup thread.
     core = tree.cache.cache_controller.storage_core
-    assert core is not None and core.page_io is not None
+    assert core is not None
+    assert core.page_io is not None
     assert core.in_flight == 0
     puts = core.page_io.pipeline.metrics().put
     assert puts.pages >= TOKENS // PAGE  # the tree's own write-through and ours
@@ -336,7 +337,8 @@ def test_storage_hit_and_prefetch_under_each_stop_policy(
     loaded = prefetch(consumer, f"req-{policy}")
     # The prefetch read ran on our pipeline (SGLang's I/O thread waited on it).
     core = consumer.cache.cache_controller.storage_core
-    assert core is not None and core.page_io is not None
+    assert core is not None
+    assert core.page_io is not None
     gets = core.page_io.pipeline.metrics().get
     assert gets.pages * PAGE >= loaded
     assert gets.failed == 0
