@@ -80,13 +80,14 @@ HICACHE_CLASS_NAME: Final = "HiCacheBackend"
 DYNAMIC_BACKEND_NAME: Final = "sglang_storage"
 """The ``backend_name`` SGLang's ``dynamic`` backend logs and registers the adapter under."""
 
-MANAGER_NAMES: Final = ("kv", "decode", "sparse", "embedding", "records", "weights")
+MANAGER_NAMES: Final = ("kv", "decode", "sparse", "embedding", "experts", "records", "weights")
 """Every data-kind manager sglang_storage has or will have, in ``--storage-managers`` order."""
-AVAILABLE_MANAGERS: Final = ("kv", "decode", "sparse", "embedding")
+AVAILABLE_MANAGERS: Final = ("kv", "decode", "sparse", "embedding", "experts")
 """The managers this integration serves in this release: the HiCache KV tiers, decode-side
-request offload, HiSparse token offload and the encoder embedding cache. Each takes effect
-only where SGLang builds that component (e.g. ``decode`` under
-``--disaggregation-decode-enable-offload-kvcache``)."""
+request offload, HiSparse token offload, the encoder embedding cache and the paged-experts
+host store. Each takes effect only where SGLang builds that component (e.g. ``decode``
+under ``--disaggregation-decode-enable-offload-kvcache``, ``experts`` under
+``--enable-paged-experts``)."""
 WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back")
 """``--storage-write-policy`` values; SGLang's ``--hicache-write-policy`` choices."""
 PREFETCH_POLICIES: Final = ("best_effort", "wait_complete", "timeout")

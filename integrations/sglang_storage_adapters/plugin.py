@@ -35,6 +35,8 @@ INSTALLERS: Final[tuple[str, ...]] = (
     # Encoder embedding caches: HookRegistry AROUND on EmbeddingStoreFactory.create_backend,
     # class REPLACE of EmbeddingCacheController and MultiModalStaticCache (+ patch 0003).
     "sglang_storage_adapters.embedding:install",
+    # Paged-experts host store: HookRegistry class REPLACE of HostExpertStore.
+    "sglang_storage_adapters.experts:install",
 )
 """Every adapter's installer, ``"module:function"``; append yours here."""
 

@@ -142,6 +142,7 @@ class RuntimeSettings:
                 decode=reserved.get("decode", 0),
                 sparse=reserved.get("sparse", 0),
                 embedding=reserved.get("embedding", 0),
+                experts=reserved.get("experts", 0),
                 eviction=self.eviction,
                 ranks_per_host=ranks_per_host,
             )

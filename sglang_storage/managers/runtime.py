@@ -69,7 +69,7 @@ __all__ = [
     "kv_page_namespace",
 ]
 
-COMPONENTS: Final = ("kv", "decode", "sparse", "embedding")
+COMPONENTS: Final = ("kv", "decode", "sparse", "embedding", "experts")
 """The components that draw host memory from a runtime, each with its own reservation."""
 
 _KINDS: Final[Mapping[str, DataKind]] = MappingProxyType(
@@ -78,6 +78,7 @@ _KINDS: Final[Mapping[str, DataKind]] = MappingProxyType(
         "decode": DataKind.KV,
         "sparse": DataKind.KV,
         "embedding": DataKind.EMBEDDING,
+        "experts": DataKind.WEIGHT,
     }
 )
 _OWNER: Final = "StorageRuntime"
@@ -112,6 +113,8 @@ class RuntimeConfig:
     """Bytes reserved for the sparse (HiSparse) host pool."""
     embedding: int = attrs.field(default=0, metadata=BYTES, validator=non_negative_int)
     """Bytes reserved for the embedding pools."""
+    experts: int = attrs.field(default=0, metadata=BYTES, validator=non_negative_int)
+    """Bytes reserved for the paged-experts host store (every routed expert's weights)."""
     headroom: int = attrs.field(default=2 << 30, metadata=BYTES, validator=non_negative_int)
     """Bytes that must stay available to the rest of the process and the system."""
     ranks_per_host: int = attrs.field(default=1, validator=positive_int)
@@ -303,6 +306,7 @@ class StorageRuntime:
                 total=total,
                 kv=config.kv + config.decode + config.sparse,
                 embedding=config.embedding,
+                weight=config.experts,
                 headroom=config.headroom,
                 ranks_per_host=config.ranks_per_host,
             ),

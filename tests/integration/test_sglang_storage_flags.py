@@ -118,7 +118,7 @@ def test_host_memory_takes_sizes_of_at_least_one_gb() -> None:
 
 def test_managers_accept_the_served_ones_and_name_the_ones_not_there_yet() -> None:
     assert parse_managers(" kv ") == ("kv",)
-    assert parse_managers("kv,decode,sparse,embedding") == AVAILABLE_MANAGERS
+    assert parse_managers("kv,decode,sparse,embedding,experts") == AVAILABLE_MANAGERS
     later = _error(lambda: parse_managers("kv,records"))
     assert "not available yet in this release" in str(later)
     assert later.value == "records"
