@@ -9,6 +9,8 @@ for reads and hit queries) is what every tiered manager does with a backend. A
   of the pool's pages, which stay pinned (they cannot be freed) until the operation ends and
   its :class:`PageOp` is ``collect()``-ed. A refused submission is a failed :class:`PageOp`
   (nothing pinned), never an exception, so callers keep their order of acknowledgements.
+  ``deadline_s`` bounds when its backend calls may start (default: the pipeline's).
+  :attr:`PageOp.queue_full` tells a refusal by a full queue (worth retrying later) from others.
 - ``exists(keys)`` - a hit query bounded by ``deadline_s``; ``leading()`` of its op counts
   the leading keys found.
 - :meth:`PageOp.leading` - how many leading pages were stored, read or found: the meaning
@@ -25,7 +27,7 @@ from typing import Final, Protocol, TypeAlias
 import torch
 
 from sglang_storage.core import GetRequest, ObjectKey, ObjectSpec, PutRequest
-from sglang_storage.errors import ConfigError, StorageError
+from sglang_storage.errors import CapacityError, ConfigError, StorageError
 from sglang_storage.memory import KVHostPool
 from sglang_storage.transfer import AnyHandle, OpState, Priority, StoragePipeline
 
@@ -113,6 +115,20 @@ class PageOp:
         return self._handle
 
     @property
+    def op_id(self) -> int | None:
+        """The pipeline's id of the operation (as ``completions()`` reports it); None if refused."""
+        return None if self._handle is None else self._handle.op_id
+
+    @property
+    def queue_full(self) -> bool:
+        """Whether the submission was refused because the pipeline's queue was full.
+
+        Such a refusal (a :class:`CapacityError`) changes nothing: the same submission
+        may succeed later. Any other refusal (a closed pipeline) will not.
+        """
+        return self._handle is None and isinstance(self._refused, CapacityError)
+
+    @property
     def pages(self) -> int:
         """How many pages were asked for."""
         return int(self._slots.shape[0])
@@ -160,6 +176,19 @@ class PageOp:
                 break
             count += 1
         return count
+
+    def first_error(self) -> StorageError | None:
+        """:attr:`error`, else the error of the first page that failed; None when none did.
+
+        A page read that found nothing (a miss) failed without an error.
+        """
+        if self.error is not None or not self.done() or self._handle is None:
+            return self.error
+        for result in self._handle.partial():
+            error = getattr(result, "error", None)
+            if isinstance(error, StorageError):
+                return error
+        return None
 
     def moved_bytes(self) -> int:
         """Payload bytes the leading pages hold."""
@@ -251,7 +280,13 @@ class HostPageIO:
             raise
 
     def _submit(
-        self, keys: Sequence[PageKeys], slots: torch.Tensor, *, put: bool, priority: Priority
+        self,
+        keys: Sequence[PageKeys],
+        slots: torch.Tensor,
+        *,
+        put: bool,
+        priority: Priority,
+        deadline_s: float | None,
     ) -> PageOp:
         page_keys, rows = self._rows(keys, slots)
         make = PutRequest if put else GetRequest
@@ -266,9 +301,17 @@ class HostPageIO:
             return PageOp(None, rows, io=self, error=error)
         try:
             if put:
-                handle: AnyHandle = self.pipeline.submit_put(requests, priority=priority)  # type: ignore[arg-type]
+                handle: AnyHandle = self.pipeline.submit_put(
+                    requests,  # type: ignore[arg-type]
+                    priority=priority,
+                    deadline_s=deadline_s,
+                )
             else:
-                handle = self.pipeline.submit_get(requests, priority=priority)  # type: ignore[arg-type]
+                handle = self.pipeline.submit_get(
+                    requests,  # type: ignore[arg-type]
+                    priority=priority,
+                    deadline_s=deadline_s,
+                )
         except StorageError as error:
             self.unpin(rows)
             return PageOp(None, rows, io=self, error=error)
@@ -280,13 +323,17 @@ class HostPageIO:
         slots: torch.Tensor,
         *,
         priority: Priority = Priority.BACKGROUND,
+        deadline_s: float | None = None,
     ) -> PageOp:
         """Store the pages in ``slots`` under ``keys`` (one row of slots per page).
+
+        ``deadline_s``: seconds from now by which each backend call must start (None: the
+        pipeline's default); a call that cannot start by then fails the operation.
 
         Raises:
             ConfigError: ``slots`` and ``keys`` do not match in pages or parts.
         """
-        return self._submit(keys, slots, put=True, priority=priority)
+        return self._submit(keys, slots, put=True, priority=priority, deadline_s=deadline_s)
 
     def get(
         self,
@@ -294,13 +341,16 @@ class HostPageIO:
         slots: torch.Tensor,
         *,
         priority: Priority = Priority.URGENT,
+        deadline_s: float | None = None,
     ) -> PageOp:
         """Read ``keys`` into the pages in ``slots`` (one row of slots per page).
+
+        ``deadline_s``: as for :meth:`put`.
 
         Raises:
             ConfigError: ``slots`` and ``keys`` do not match in pages or parts.
         """
-        return self._submit(keys, slots, put=False, priority=priority)
+        return self._submit(keys, slots, put=False, priority=priority, deadline_s=deadline_s)
 
     def exists(self, keys: Sequence[PageKeys], *, deadline_s: float) -> PageOp:
         """Ask which leading pages (every part) storage holds; ends by ``deadline_s``."""
