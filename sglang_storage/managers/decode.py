@@ -15,7 +15,9 @@ map section 3). Contract, one line per primitive:
 - ``abort(request_id)`` - drop the request; nothing more is stored.
 - ``poll(timeout_s)`` - collect finished copies and backups and return what happened as
   :data:`DecodeEvent` values. Host pages are freed only here: on a backup's completion,
-  done or failed, all of the request's pages at once, never while a transfer uses them.
+  done or failed, all of the request's pages at once, never while a transfer uses them
+  (backups go through a :class:`~sglang_storage.managers.pageio.HostPageIO`, which pins
+  their pages until the backup is collected here).
 - ``stats()`` - counts, as :class:`DecodeOffloadStats`.
 
 Failures: a failed D2H copy ends the request's offload there (later pages are not stored,
@@ -30,23 +32,17 @@ its two pipelines' results: nobody else may call their ``poll()`` / ``completion
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
 import attrs
 import torch
 
 from sglang_storage.config import instance_of, int_in_range, optional, positive_int, positive_number
-from sglang_storage.core import Namespace, PutRequest
+from sglang_storage.core import Namespace
 from sglang_storage.errors import CapacityError, ConfigError, StateError, StorageError
+from sglang_storage.managers.pageio import HostPageIO, PageOp
 from sglang_storage.memory import KVHostPool
 from sglang_storage.storage.keys import page_hashes
-from sglang_storage.transfer import (
-    DeviceHostPipeline,
-    OpState,
-    Priority,
-    PutHandle,
-    StoragePipeline,
-)
+from sglang_storage.transfer import DeviceHostPipeline, Priority, StoragePipeline
 from sglang_storage.transfer.device_kv import as_index_tensor
 
 __all__ = [
@@ -150,7 +146,7 @@ class _Request:
     aborted: bool = False
     released: bool = False
     broken: bool = False
-    backup: PutHandle | None = None
+    backup: PageOp | None = None
     attempts: int = 0
 
 
@@ -177,6 +173,7 @@ class DecodeOffloadManager:
         self._host = host
         self._device = device
         self._storage = storage
+        self._io = HostPageIO(host, storage)
         self._namespace = namespace
         self._config = config or DecodeOffloadConfig()
         self._page = host.geometry.page_size
@@ -346,8 +343,7 @@ class DecodeOffloadManager:
         for handle in self._storage.completions(wait):
             request_id = self._backups.pop(handle.op_id, None)
             if request_id is not None:
-                put = cast(PutHandle, handle)  # the only kind this manager submits
-                events += self._backed_up(request_id, self._requests[request_id], put)
+                events += self._backed_up(request_id, self._requests[request_id])
         return events
 
     def stats(self) -> DecodeOffloadStats:
@@ -393,40 +389,36 @@ class DecodeOffloadManager:
 
     def _submit(self, request_id: str, r: _Request) -> list[DecodeEvent]:
         """Submit the request's backup; a full storage queue leaves it for the next poll."""
-        spec = self._host.page_spec
-        requests = [
-            PutRequest(key=self._namespace.key(key), spec=spec, buffers=self._host.page_views(page))
-            for s in r.strides
-            for page, key in zip(s.host_pages.tolist(), s.keys, strict=True)
-        ]
+        keys = [self._namespace.key(key) for s in r.strides for key in s.keys]
+        pages = torch.cat([s.host_pages for s in r.strides])
         c = self._config
-        try:
-            r.backup = self._storage.submit_put(
-                requests, priority=c.priority, deadline_s=c.deadline_s
-            )
-        except CapacityError:
+        op = self._io.put(keys, pages, priority=c.priority, deadline_s=c.deadline_s)
+        if op.op_id is None:  # refused: nothing is pinned
             r.backup = None
-            return []
-        except StorageError as error:  # the pipeline is closed: give up now
-            return self._failed(request_id, r, len(requests), 0, error)
-        r.attempts += 1
-        self._backups[r.backup.op_id] = request_id
+            if op.queue_full:
+                return []
+            assert op.error is not None  # the pipeline is closed: give up now
+            return self._failed(request_id, r, op.pages, 0, op.error)
+        r.backup, r.attempts = op, r.attempts + 1
+        self._backups[op.op_id] = request_id
         return []
 
-    def _backed_up(self, request_id: str, r: _Request, handle: PutHandle) -> list[DecodeEvent]:
-        results = handle.partial()
-        stored = sum(result.ok for result in results)
+    def _backed_up(self, request_id: str, r: _Request) -> list[DecodeEvent]:
+        op = r.backup
+        assert op is not None
+        op.collect()  # the pages are freed or stored again from here
+        pages, stored = op.pages, sum(op.page_ok())
         if r.aborted:
             self._drop(request_id, r)
             return []
-        if stored == len(results) and handle.state is OpState.DONE:
+        if stored == pages and op.error is None:
             self._counts["stored"] += stored
             self._drop(request_id, r)
             return [BackupDone(request_id=request_id, pages=stored, attempts=r.attempts)]
         if r.attempts <= self._config.max_retries:
             return self._submit(request_id, r)  # stored pages come back PRESENT
-        error = handle.error or next(x.error for x in results if x.error is not None)
-        return self._failed(request_id, r, len(results), stored, error)
+        error = op.first_error() or StorageError(f"{pages - stored} pages were not stored")
+        return self._failed(request_id, r, pages, stored, error)
 
     def _failed(
         self, request_id: str, r: _Request, pages: int, stored: int, error: StorageError

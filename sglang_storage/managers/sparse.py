@@ -20,7 +20,9 @@ Contract, one line per primitive:
 - ``restore(request_id, token_ids, seed=)`` - read a stored request's tokens back to the
   host (the longest stored prefix); the request is usable once ``poll`` reports it.
 - ``poll(timeout_s)`` - finished storage work and device copy failures, as
-  :data:`SparseEvent` values.
+  :data:`SparseEvent` values. Backups and restores go through a
+  :class:`~sglang_storage.managers.pageio.HostPageIO`: their host pages stay pinned until
+  ``poll`` collects them.
 
 Host backing is a :class:`~sglang_storage.memory.KVHostPool` with ``page_size=1`` (a page is
 one token) rather than a ``RecordPool``: the device<->host pipeline moves exactly such pages
@@ -36,7 +38,6 @@ Locking: not thread-safe; one thread drives it. It owns its pipelines' results.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import attrs
 import numpy as np
@@ -44,22 +45,18 @@ import numpy.typing as npt
 import torch
 
 from sglang_storage.config import instance_of, optional, positive_int, positive_number
-from sglang_storage.core import EvictionPolicy, GetRequest, Namespace, PutRequest
+from sglang_storage.core import EvictionPolicy, Namespace
 from sglang_storage.errors import ConfigError, StateError, StorageError
+from sglang_storage.managers.pageio import HostPageIO, PageOp
 from sglang_storage.memory import KVHostPool, SlotAllocator
 from sglang_storage.policy import LRUPolicy
 from sglang_storage.storage.keys import page_hashes
 from sglang_storage.transfer import (
-    AnyHandle,
     CopyDirection,
     DeviceHostPipeline,
     DeviceLoadHandle,
     DeviceTransferResult,
-    GetHandle,
-    OpKind,
-    OpState,
     Priority,
-    PutHandle,
     StoragePipeline,
 )
 
@@ -173,7 +170,8 @@ class _Request:
     host: Positions  # position -> host page, or -1
     lru: EvictionPolicy[int]  # resident positions
     length: int = 0
-    storage: AnyHandle | None = None  # a backup or a restore in flight
+    storage: PageOp | None = None  # a backup or a restore in flight (its pages pinned)
+    restoring: bool = False  # ``storage`` is a restore
     released: bool = False  # dropped while ``storage`` was in flight
 
 
@@ -205,6 +203,7 @@ class SparseKVManager:
             raise _refuse("__init__", "host", host.geometry.page_size, reason)
         self._host, self._device, self._config = host, device, config
         self._storage, self._namespace, self._eviction = storage, namespace, eviction
+        self._io = None if storage is None else HostPageIO(host, storage)
         self._regions = SlotAllocator(config.max_requests, name="sparse KV regions")
         self._requests: dict[str, _Request] = {}
         self._offloads: dict[int, tuple[str, Positions]] = {}  # D2H id -> what it wrote
@@ -321,7 +320,7 @@ class SparseKVManager:
                 the request stays admitted: finish again later, or release it).
         """
         r = self._ready(request_id)
-        if self._storage is None or self._namespace is None or token_ids is None:
+        if self._io is None or self._namespace is None or token_ids is None:
             self.release(request_id)
             return
         if len(token_ids) != r.length:
@@ -333,14 +332,15 @@ class SparseKVManager:
         pages = r.host[: r.length].tolist()
         if min(pages, default=0) < 0:  # lost tokens: only the prefix before them is sound
             del pages[pages.index(-1) :]
-        spec = self._host.page_spec
-        requests = [
-            PutRequest(key=self._namespace.key(k), spec=spec, buffers=self._host.page_views(p))
-            for k, p in zip(keys, pages, strict=False)
-        ]
         c = self._config
-        r.storage = self._storage.submit_put(requests, priority=c.priority, deadline_s=c.deadline_s)
-        self._storage_ops[r.storage.op_id] = request_id
+        op = self._io.put(
+            [self._namespace.key(k) for k in keys[: len(pages)]],
+            torch.tensor(pages, dtype=torch.int64),
+            priority=c.priority,
+            deadline_s=c.deadline_s,
+        )
+        self._storage_ops[_started(op)] = request_id
+        r.storage = op
         self._regions.free([r.region])
         r.region = -1
 
@@ -353,7 +353,7 @@ class SparseKVManager:
             StateError: no storage, or the request is already admitted.
             CapacityError: no device region, host pages or room in the storage queue.
         """
-        if self._storage is None or self._namespace is None:
+        if self._io is None or self._namespace is None:
             raise StateError(subject="SparseKVManager.restore", reason="there is no storage")
         c = self._config
         if len(token_ids) > c.max_tokens:
@@ -361,21 +361,17 @@ class SparseKVManager:
             raise _refuse("restore", "token_ids", len(token_ids), reason)
         self.admit(request_id)
         r = self._requests[request_id]
-        spec = self._host.page_spec
         try:  # a refusal (no host pages, a full storage queue) leaves nothing held
+            keys = [self._namespace.key(k) for k in page_hashes(list(token_ids), 1, seed)]
             pages = self._host.alloc(len(token_ids))
             r.host[: len(token_ids)] = pages.numpy()
-            requests = [
-                GetRequest(key=self._namespace.key(k), spec=spec, buffers=self._host.page_views(p))
-                for k, p in zip(page_hashes(list(token_ids), 1, seed), pages.tolist(), strict=True)
-            ]
-            r.storage = self._storage.submit_get(
-                requests, priority=c.priority, deadline_s=c.deadline_s
-            )
+            op = self._io.get(keys, pages, priority=c.priority, deadline_s=c.deadline_s)
+            op_id = _started(op)
         except BaseException:
             self.release(request_id)
             raise
-        self._storage_ops[r.storage.op_id] = request_id
+        r.storage, r.restoring = op, True
+        self._storage_ops[op_id] = request_id
 
     def release(self, request_id: str) -> None:
         """Drop the request now; a backup or restore in flight is cancelled and freed by poll."""
@@ -404,7 +400,7 @@ class SparseKVManager:
             for handle in self._storage.completions(timeout_s if self._storage_ops else 0.0):
                 request_id = self._storage_ops.pop(handle.op_id, None)
                 if request_id is not None:
-                    self._stored(request_id, self._requests[request_id], handle)
+                    self._stored(request_id, self._requests[request_id])
         events, self._events = self._events, []
         return events
 
@@ -491,14 +487,14 @@ class SparseKVManager:
                     )
                 )
 
-    def _stored(self, request_id: str, r: _Request, handle: AnyHandle) -> None:
-        if handle.kind is OpKind.GET:
-            oks = [x.hit for x in cast(GetHandle, handle).partial()]
-        else:
-            oks = [x.ok for x in cast(PutHandle, handle).partial()]
-        released, r.storage = r.released, None
-        if handle.kind is OpKind.GET and not released:
-            found = oks.index(False) if False in oks else len(oks)
+    def _stored(self, request_id: str, r: _Request) -> None:
+        op, released, restoring = r.storage, r.released, r.restoring
+        assert op is not None
+        op.collect()  # its host pages may be freed from here
+        oks = op.page_ok()
+        r.storage, r.restoring = None, False
+        if restoring and not released:
+            found = op.leading()
             self._host.free(torch.from_numpy(r.host[found : len(oks)]))
             r.host[found : len(oks)] = -1
             r.length = found
@@ -507,10 +503,10 @@ class SparseKVManager:
         self._forget(r)
         if released:
             return
-        if handle.state is OpState.DONE and all(oks):
+        if op.error is None and all(oks):
             self._events.append(BackupDone(request_id=request_id, tokens=len(oks)))
             return
-        error = handle.error or StorageError(f"{oks.count(False)} tokens were not stored")
+        error = op.error or StorageError(f"{oks.count(False)} tokens were not stored")
         self._events.append(
             BackupFailed(request_id=request_id, tokens=len(oks), stored=sum(oks), error=error)
         )
@@ -523,3 +519,11 @@ class SparseKVManager:
         if held.size:
             self._host.free(torch.from_numpy(held))
         del self._requests[r.request_id]
+
+
+def _started(op: PageOp) -> int:
+    """The pipeline id of ``op``; raises why its submission was refused (nothing is pinned)."""
+    if op.op_id is None:
+        assert op.error is not None  # a refusal says why
+        raise op.error
+    return op.op_id
