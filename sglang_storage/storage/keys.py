@@ -3,7 +3,7 @@
 SGLang names every KV page it writes to an L3 backend by a SHA-256 hash chain over the
 page's token ids (``get_hash_str`` in ``sglang/srt/mem_cache/utils.py``, computed by the
 native extension ``cpp_utils/hash_binding.cpp``), seeded per request namespace by
-``storage_namespace_seed``. This module reproduces both with the standard library only, so
+``storage_namespace_seed``. This module reproduces both with the standard library and numpy, so
 the subsystem reads and writes the same keys as SGLang without importing it:
 
 - :func:`page_hashes` - one 64-character lowercase hex key per page of token ids,
@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import marshal
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Sequence, Sized
 from typing import Final, Protocol, cast
+
+import numpy as np
 
 from sglang_storage.core import DataKind, Namespace, Shard
 from sglang_storage.errors import ConfigError
@@ -79,6 +82,13 @@ _I64: Final = _typecode(8, "ql")
 _SWAP: Final = sys.byteorder != "little"
 # Which uint32 half of a native int64 holds its low 32 bits.
 _LOW_HALF: Final = 1 if _SWAP else 0
+# marshal's format 2 (no object references): a list or tuple is a one-byte type code and
+# a 4-byte count, then each element; an exact int of the int32 range is ``i`` and its
+# 4 bytes little-endian, five bytes in all. True, False and int subclasses are written
+# otherwise.
+_MARSHAL_VERSION: Final = 2
+_MARSHAL_HEADER: Final = 5
+_MARSHAL_INT: Final = ord("i")
 
 
 class _Hash(Protocol):
@@ -233,8 +243,61 @@ def _is_hex_digest(value: object) -> bool:
     return isinstance(value, str) and len(value) == DIGEST_HEX_LEN and _HEX_DIGITS.issuperset(value)
 
 
+def _narrow_words(token_ids: object) -> array[int] | None:
+    """The ids as native uint32 words, found without a Python-level pass; else ``None``.
+
+    Two cases, each proven in C and vectorised code, never per id in Python: an exact
+    ``list`` or ``tuple`` whose every element is an exact ``int`` in ``[0, 2**31)`` (read
+    off its marshal encoding: every element slot must be the 5-byte int form, and every
+    high byte below 0x80), and an integer ``array.array`` whose every id is in
+    ``[0, 2**32)``. Anything else (bools, int subclasses, larger or negative ids, other
+    containers, a big-endian machine) returns ``None`` for the checked path, which
+    accepts or rejects it exactly as before.
+    """
+    if _SWAP:
+        return None
+    kind = type(token_ids)
+    if kind is list or kind is tuple:
+        n = len(cast(Sized, token_ids))
+        if n == 0:
+            return array(_U32)
+        try:
+            encoded = marshal.dumps(cast("list[int]", token_ids), _MARSHAL_VERSION)
+        except (ValueError, RecursionError):  # an element marshal cannot write
+            return None
+        # The first element starts at the header; while every slot holds the int form
+        # the next starts 5 bytes on, so n int slots and the exact length mean n ints.
+        if (
+            len(encoded) != _MARSHAL_HEADER + 5 * n
+            or encoded[_MARSHAL_HEADER::5].count(_MARSHAL_INT) != n
+            or not encoded[_MARSHAL_HEADER + 4 :: 5].isascii()  # every id >= 0
+        ):
+            return None
+        words = np.ndarray(
+            (n,), dtype="<u4", buffer=encoded, offset=_MARSHAL_HEADER + 1, strides=(5,)
+        )
+        packed = array(_U32)
+        packed.frombytes(words.tobytes())
+        return packed
+    if kind is array:
+        given = cast("array[int]", token_ids)
+        if given.typecode not in _INT_TYPECODES:
+            return None
+        packed = array(_U32)
+        if len(given):
+            values = np.frombuffer(given, dtype=np.dtype(given.typecode))
+            if values.min() < 0 or values.max() > _U32_MAX:
+                return None
+            packed.frombytes(values.astype("<u4").tobytes())
+        return packed
+    return None
+
+
 def _words(token_ids: Sequence[int], owner: str) -> tuple[array[int], array[int] | None]:
     """Check every id; return their low uint32 words and, if one needs more, all 64 bits."""
+    narrow = _narrow_words(token_ids)
+    if narrow is not None:
+        return narrow, None
     if isinstance(token_ids, str | bytes | bytearray | memoryview):
         # An array built from bytes would read them as raw memory, not as ids.
         raise ConfigError(
