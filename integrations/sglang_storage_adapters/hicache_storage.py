@@ -208,6 +208,32 @@ def _object_name(key: str) -> str:
     return _DIGEST_PREFIX + hashlib.sha256(key.encode()).hexdigest()
 
 
+_SAFE_NAMES: Final = re.compile(rf"{_SAFE_NAME.pattern}(?:/{_SAFE_NAME.pattern})*")
+
+
+def _object_names(keys: Sequence[str]) -> list[str]:
+    """``[_object_name(k) for k in keys]``, with one check for a batch of safe keys.
+
+    The keys are joined with ``/`` (in no safe name) and matched once: with exactly
+    ``n - 1`` separators the pieces are the keys, so a match means every key is safe, and
+    no piece starting with the digest prefix means every key is kept as is. Any other
+    batch is named key by key.
+    """
+    try:
+        joined = "/".join(keys)
+    except TypeError:
+        return [_object_name(k) for k in keys]
+    if (
+        keys
+        and joined.count("/") == len(keys) - 1
+        and _SAFE_NAMES.fullmatch(joined)
+        and not joined.startswith(_DIGEST_PREFIX)
+        and f"/{_DIGEST_PREFIX}" not in joined
+    ):
+        return list(keys)
+    return [_object_name(k) for k in keys]
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class _Pool:
     pages: PoolPages
@@ -218,6 +244,11 @@ class _Pool:
     def key(self, key: str) -> ObjectKey:
         assert self.namespace is not None  # logical pools are never keyed
         return ObjectKey(namespace=self.namespace, name=_object_name(key))
+
+    def keys(self, keys: Sequence[str]) -> list[ObjectKey]:
+        """``[self.key(k) for k in keys]``, named and built for the whole batch."""
+        assert self.namespace is not None  # logical pools are never keyed
+        return self.namespace.keys(_object_names(keys))
 
 
 class _Metrics:
@@ -634,7 +665,7 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             pool = self._kv()
             if pool.pages.logical:
                 return len(keys)
-            return self._backend.prefix_hits([pool.key(k) for k in keys])
+            return self._backend.prefix_hits(pool.keys(keys))
 
         return self._guard(f"batch_exists of {len(keys)} keys", 0, call)
 
@@ -663,7 +694,7 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         kv = self._pools.get(_KV) or self._kv()
         queries: list[ObjectKey] = []
         if not kv.pages.logical:
-            queries.extend(kv.key(k) for k in keys)
+            queries.extend(kv.keys(keys))
         # Per transfer: a slice of ``found`` to read, or a fixed answer.
         plans: list[tuple[Any, slice | list[bool]]] = []
         for transfer in transfers:
@@ -681,7 +712,7 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
                 plans.append((transfer, [True] * len(pool_keys)))
                 continue
             plans.append((transfer, slice(len(queries), len(queries) + len(pool_keys))))
-            queries.extend(pool.key(k) for k in pool_keys)
+            queries.extend(pool.keys(pool_keys))
         found = self._backend.exists(queries) if queries else []
         kv_pages = len(keys) if kv.pages.logical else count_prefix(found[: len(keys)])
 

@@ -190,6 +190,19 @@ class Namespace:
         """The key of the object called ``name`` in this namespace."""
         return ObjectKey(namespace=self, name=name)
 
+    def keys(self, names: Sequence[str]) -> list[ObjectKey]:
+        """``[self.key(name) for name in names]``, checked and built for the whole batch.
+
+        Every name is validated exactly as :meth:`key` does, in one regular-expression
+        match over the joined names (``/`` is in no valid name, so the pieces between
+        the separators are the names); a batch that does not match is built name by
+        name, which raises the same :class:`~sglang_storage.errors.ConfigError` for
+        the first invalid name.
+        """
+        if not _valid_names(names):
+            return [ObjectKey(namespace=self, name=name) for name in names]
+        return [_checked_key(self, name) for name in names]
+
 
 @attrs.frozen(kw_only=True, cache_hash=True)
 class ObjectKey:
@@ -200,6 +213,58 @@ class ObjectKey:
 
     def __str__(self) -> str:
         return f"{self.namespace.path}/{self.name}"
+
+
+_NAME_BATCH: Final = re.compile(
+    rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{NAME_MAX - 1}}}"
+    rf"(?:/[A-Za-z0-9_][A-Za-z0-9._-]{{0,{NAME_MAX - 1}}})*"
+)
+
+
+def _valid_names(names: Sequence[str]) -> bool:
+    """Whether every one of ``names`` passes :class:`ObjectKey`'s name check."""
+    if not names:
+        return False
+    try:
+        joined = "/".join(names)
+    except TypeError:  # a name that is not a str
+        return False
+    # n - 1 separators: no name holds a "/" of its own, so the pieces are the names.
+    return joined.count("/") == len(names) - 1 and _NAME_BATCH.fullmatch(joined) is not None
+
+
+def _key_builder() -> Any:
+    """Build an :class:`ObjectKey` from a namespace and a checked name, without attrs' init.
+
+    Sets the same slots attrs' generated ``__init__`` sets (the fields and the empty hash
+    cache); checked once here against a key built the ordinary way, and the ordinary
+    constructor is used instead if attrs lays the class out differently.
+    """
+    new, setattr_ = object.__new__, object.__setattr__
+    cache = "_attrs_cached_hash"
+
+    def build(namespace: Namespace, name: str) -> ObjectKey:
+        key: ObjectKey = new(ObjectKey)
+        setattr_(key, "namespace", namespace)
+        setattr_(key, "name", name)
+        setattr_(key, cache, None)
+        return key
+
+    def ordinary(namespace: Namespace, name: str) -> ObjectKey:
+        return ObjectKey(namespace=namespace, name=name)
+
+    probe = Namespace(model="probe", kind=DataKind.KV)
+    try:
+        built, expected = build(probe, "page"), ordinary(probe, "page")
+        same = attrs.asdict(built, recurse=False) == attrs.asdict(expected, recurse=False)
+        if same and built == expected and hash(built) == hash(expected):
+            return build
+    except (AttributeError, TypeError):
+        pass
+    return ordinary
+
+
+_checked_key: Final = _key_builder()
 
 
 def _dtype(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
