@@ -61,6 +61,7 @@ revert-patches: $(STAMP)
 BENCH_REPORT ?= docs/bench
 BENCH_ARGS ?= --compare sglang-file --repeats 5 --settle 120
 BENCH_SCRIPTS = "host_pool.py --quick" "storage_pipeline.py --repeats 3" \
+	"page_hash.py --quick" "hicache_interface.py --quick" \
 	"mooncake_backend.py --quick" "file_backend.py --quick"
 
 bench: $(STAMP)

@@ -12,7 +12,8 @@ of ``page-kib`` KiB to and from one store, three ways, in one process:
 Each pipeline run is timed right next to a direct run of the same size (order alternating),
 so both see the same machine load; rows print the median throughputs, the median of the
 paired ratios pipeline / direct (> 1 means the pipeline is faster), the median paired
-overhead per page in microseconds (negative: faster) and as a percentage. A last line
+overhead per page in microseconds (negative: faster) and as a percentage, with the spread:
+the lowest and highest paired ratio and the overhead range they give. A last line
 gives the pipeline's fixed cost per operation, measured with ``exists`` (no data moved).
 The first round warms up and is not counted. The store is the ``memory`` backend when it
 is importable, else a dict store defined here; the first line says which. The issue's
@@ -195,6 +196,12 @@ class Row:
         return statistics.median(d / p for d, p in self.pairs)
 
     @property
+    def spread(self) -> tuple[float, float]:
+        """Lowest and highest paired throughput ratio pipeline / direct."""
+        ratios = [d / p for d, p in self.pairs]
+        return min(ratios), max(ratios)
+
+    @property
     def overhead_us_per_page(self) -> float:
         """Median of paired time differences, per page, in microseconds."""
         return statistics.median(p - d for d, p in self.pairs) / self.pages * 1e6
@@ -307,15 +314,20 @@ def main() -> None:
     )
     print(  # noqa: T201
         f"{'op':<4} {'mode':<11} {'direct MiB/s':>13} {'pipeline MiB/s':>15}"
-        f" {'ratio':>7} {'overhead us/page':>17} {'overhead %':>11}"
+        f" {'ratio':>7} {'spread':>13} {'overhead us/page':>17} {'overhead %':>11}"
+        f" {'overhead % range':>17}"
     )
     rows, exists = bench(store, args)
     for (op, mode), row in sorted(rows.items()):
         mib = row.pages * args.page_kib / 1024
         overhead = (1 / row.ratio - 1) * 100
+        low, high = row.spread
+        spread = f"{low:.2f}-{high:.2f}x"
+        overheads = f"{(1 / high - 1) * 100:.1f} to {(1 / low - 1) * 100:.1f}%"
         print(  # noqa: T201
             f"{op:<4} {mode:<11} {mib / row.direct_s:>13,.0f} {mib / row.pipeline_s:>15,.0f}"
-            f" {row.ratio:>6.2f}x {row.overhead_us_per_page:>17.1f} {overhead:>10.1f}%"
+            f" {row.ratio:>6.2f}x {spread:>13} {row.overhead_us_per_page:>17.1f}"
+            f" {overhead:>10.1f}% {overheads:>17}"
         )
     print(  # noqa: T201
         f"fixed cost per operation (exists of {args.pages} keys, no I/O):"
