@@ -23,7 +23,8 @@ Extra-config keys (any other is a :class:`~sglang_storage.errors.ConfigError`):
 ``storage_backend`` (required), ``storage_options``, ``storage_managers``, ``eviction``
 (the policy of a capped backend), ``host_memory`` (the process's host memory budget; when
 absent, what the components ask, up to the host's share per rank), ``host_reservations``
-(bytes per component: ``kv``, ``decode``, ``sparse``, ``embedding``),
+(bytes per component: ``kv``, ``decode``, ``sparse``, ``embedding``, ``experts``,
+``weights``),
 ``storage_load_policy`` (read by the HiCache controller); and SGLang's own
 (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, ``allocator``,
 ``file_storage_path``, ``prefetch_*``, ``hicache_storage_pass_prefix_keys``,
@@ -143,6 +144,7 @@ class RuntimeSettings:
                 sparse=reserved.get("sparse", 0),
                 embedding=reserved.get("embedding", 0),
                 experts=reserved.get("experts", 0),
+                weights=reserved.get("weights", 0),
                 eviction=self.eviction,
                 ranks_per_host=ranks_per_host,
             )
@@ -333,11 +335,15 @@ _RUNTIMES: dict[RuntimeConfig, StorageRuntime] = {}
 _runtimes_lock = threading.Lock()
 
 
-def process_runtime(settings: RuntimeSettings) -> StorageRuntime:
+def process_runtime(
+    settings: RuntimeSettings, *, ranks_per_host: int | None = None
+) -> StorageRuntime:
     """This process's storage runtime for ``settings`` (built on first use, then shared).
 
     Every adapter of a process gets the same runtime, hence one budget and one instance
-    of each backend. The budget's ``ranks_per_host`` is SGLang's (launch ranks per node).
+    of each backend. The budget's ``ranks_per_host`` is SGLang's (launch ranks per node)
+    unless given: a process of which the host runs one (the elastic-EP expert holder)
+    passes 1.
 
     Raises:
         ConfigError: the reservations do not fit in ``host_memory``.
@@ -347,7 +353,8 @@ def process_runtime(settings: RuntimeSettings) -> StorageRuntime:
     with _runtimes_lock:
         runtime = _RUNTIMES.get(key)
         if runtime is None:
-            runtime = StorageRuntime(settings.runtime_config(ranks_per_host=_ranks_per_host()))
+            ranks = _ranks_per_host() if ranks_per_host is None else ranks_per_host
+            runtime = StorageRuntime(settings.runtime_config(ranks_per_host=ranks))
             _RUNTIMES[key] = runtime
         return runtime
 

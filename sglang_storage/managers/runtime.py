@@ -10,7 +10,8 @@ once per instance, and two kinds writing the same pages would disagree on where 
   per rank), reservations per component, ``ranks_per_host``, the eviction policy of
   capped backends.
 - ``StorageRuntime.host_memory(component)`` - a :class:`~sglang_storage.memory.HostMemory`
-  for one component (``kv``, ``decode``, ``sparse``, ``embedding``) charged to the one
+  for one component (``kv``, ``decode``, ``sparse``, ``embedding``, ``experts``,
+  ``weights``) charged to the one
   budget; it never takes what another component of the same data kind has reserved.
 - ``StorageRuntime.backend(name, options)`` - a :class:`BackendLease` on the one shared
   instance per backend and options, built with the eviction policy its cap needs; the
@@ -69,7 +70,7 @@ __all__ = [
     "kv_page_namespace",
 ]
 
-COMPONENTS: Final = ("kv", "decode", "sparse", "embedding", "experts")
+COMPONENTS: Final = ("kv", "decode", "sparse", "embedding", "experts", "weights")
 """The components that draw host memory from a runtime, each with its own reservation."""
 
 _KINDS: Final[Mapping[str, DataKind]] = MappingProxyType(
@@ -79,6 +80,7 @@ _KINDS: Final[Mapping[str, DataKind]] = MappingProxyType(
         "sparse": DataKind.KV,
         "embedding": DataKind.EMBEDDING,
         "experts": DataKind.WEIGHT,
+        "weights": DataKind.WEIGHT,
     }
 )
 _OWNER: Final = "StorageRuntime"
@@ -115,6 +117,8 @@ class RuntimeConfig:
     """Bytes reserved for the embedding pools."""
     experts: int = attrs.field(default=0, metadata=BYTES, validator=non_negative_int)
     """Bytes reserved for the paged-experts host store (every routed expert's weights)."""
+    weights: int = attrs.field(default=0, metadata=BYTES, validator=non_negative_int)
+    """Bytes reserved for the elastic-EP expert backup (this node's slice of the experts)."""
     headroom: int = attrs.field(default=2 << 30, metadata=BYTES, validator=non_negative_int)
     """Bytes that must stay available to the rest of the process and the system."""
     ranks_per_host: int = attrs.field(default=1, validator=positive_int)
@@ -306,7 +310,7 @@ class StorageRuntime:
                 total=total,
                 kv=config.kv + config.decode + config.sparse,
                 embedding=config.embedding,
-                weight=config.experts,
+                weight=config.experts + config.weights,
                 headroom=config.headroom,
                 ranks_per_host=config.ranks_per_host,
             ),
