@@ -37,6 +37,9 @@ INSTALLERS: Final[tuple[str, ...]] = (
     "sglang_storage_adapters.embedding:install",
     # Paged-experts host store: HookRegistry class REPLACE of HostExpertStore.
     "sglang_storage_adapters.experts:install",
+    # Elastic-EP expert backup: HookRegistry function REPLACE of run_expert_backup_manager,
+    # class REPLACE of ExpertBackupClient.
+    "sglang_storage_adapters.elastic_ep:install",
 )
 """Every adapter's installer, ``"module:function"``; append yours here."""
 
