@@ -3,7 +3,9 @@
 Contents come from a scan of the object headers (no payloads are read, nothing is
 changed; the file and hf3fs backends are opened read-only), next to the backend's own
 :class:`~sglang_storage.storage.BackendStats`. A backend that cannot enumerate its
-objects (``mooncake``) reports its own statistics only.
+objects (``mooncake``) reports its own statistics only. ``--prometheus`` prints the same
+figures in the Prometheus text format, under the names a serving process exports
+(:mod:`sglang_storage.managers.observability`).
 """
 
 from __future__ import annotations
@@ -40,11 +42,16 @@ Objects, bytes (headers included), namespaces (model/kind/shard) and data kinds 
 from the stored object headers; payloads are not read or verified (use fsck for that).
 Backends that cannot enumerate their objects (mooncake) show their own counters only.
 
+--prometheus prints the Prometheus text format (sglang_storage_store_* and
+sglang_storage_backend_* families; needs prometheus_client), e.g. for a textfile
+collector.
+
 exit status: 0 done, 2 usage error, 8 backend unavailable
 
 examples:
   sglang-storage stats --dir /data/kv-cache
   sglang-storage stats --dir /data/kv-cache --json
+  sglang-storage stats --dir /data/kv-cache --prometheus > /var/lib/node_exporter/kv.prom
   sglang-storage stats --backend hf3fs --backend-config '{"root": "/3fs/kv"}'
 """
 
@@ -60,13 +67,23 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_backend_arguments(parser)
+    parser.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="print the figures in the Prometheus text exposition format",
+    )
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        if args.json and args.prometheus:
+            raise UsageError("give one of --json and --prometheus")
         choice = backend_choice(args)
         summary, counters = _collect(choice)
+        if args.prometheus:
+            say(_exposition(choice, summary, counters).rstrip("\n"))
+            return EXIT_CLEAN
     except UsageError as error:
         return _fail(args, EXIT_USAGE, str(error))
     except StorageError as error:
@@ -87,6 +104,20 @@ def _collect(choice: BackendChoice) -> tuple[ScanSummary | None, BackendStats]:
         return summary, backend.stats()
     finally:
         backend.close()
+
+
+def _exposition(choice: BackendChoice, summary: ScanSummary | None, counters: BackendStats) -> str:
+    # Imported here: only --prometheus needs prometheus_client (and the managers' torch).
+    from sglang_storage.managers.observability import (
+        MetricFamily,
+        backend_families,
+        store_families,
+    )
+    from sglang_storage.managers.prometheus import exposition
+
+    families: list[MetricFamily] = [] if summary is None else store_families(summary)
+    families += backend_families(counters, backend=choice.name)
+    return exposition(families)
 
 
 def _document(
