@@ -54,6 +54,7 @@ import attrs
 import torch
 
 from sglang_storage.errors import ConfigError
+from sglang_storage.managers import observability
 from sglang_storage.managers.decode import (
     BackupDone,
     BackupFailed,
@@ -62,11 +63,12 @@ from sglang_storage.managers.decode import (
     DeviceReleased,
     OffloadFailed,
 )
+from sglang_storage.managers.logs import RateLimitedLog
 from sglang_storage.managers.runtime import kv_page_namespace
 from sglang_storage.memory import Attention, KVGeometry, KVHostPool, KVLayout
 from sglang_storage.storage.keys import namespace_seed
 from sglang_storage.transfer import DeviceHostPipeline, DeviceKV
-from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters import metrics, require_supported_sglang
 from sglang_storage_adapters.device_checks import check_device_pools
 from sglang_storage_adapters.ranks import rank_sync
 from sglang_storage_adapters.runtime import (
@@ -92,6 +94,7 @@ from sglang.srt.runtime_context import (  # noqa: E402
 __all__ = ["TARGET", "DecodeOffloadAdapter", "host_pool_geometry", "install"]
 
 log = logging.getLogger(__name__)
+_limited: Final = RateLimitedLog(log)
 
 _RANK_TIMEOUT_S: Final = 5.0
 """How long a TP agreement of the offload waits for the other ranks."""
@@ -288,13 +291,19 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         # MLA pages are the same on every TP rank and share one namespace: rank 0 stores
         # them; the others copy and release in step with it but store nothing.
         self._writer = not geometry.is_mla or self.tp_rank == 0
+        device = DeviceHostPipeline(_device_kv(self.kv_cache, geometry), self.host_pool)
         self.manager = DecodeOffloadManager(
             host=self.host_pool,
-            device=DeviceHostPipeline(_device_kv(self.kv_cache, geometry), self.host_pool),
+            device=device,
             storage=self.storage,
             namespace=self.namespace,
             config=DecodeOffloadConfig(stride_pages=self.offload_stride // self.page_size),
         )
+        observability.watch_decode(self.manager)
+        observability.watch_storage_pipeline(self.storage, "decode")
+        observability.watch_device_pipeline(device, "decode")
+        observability.watch_pool(self.host_pool, "decode")
+        observability.watch_backend(self.backend)
         # SGLang's attributes its callers read (``len(ongoing_offload)``) and this adapter's
         # bookkeeping: manager id -> request.
         self.ongoing_offload: dict[str, Any] = {}
@@ -320,6 +329,9 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         The backend is released (the process's last user closes it).
         """
         report = self.storage.close(timeout_s=30.0)
+        observability.SOURCES.remove(self.storage)
+        observability.SOURCES.remove(self.manager)
+        observability.SOURCES.capture(self.backend)
         if not report.clean:
             log.warning("sglang_storage decode offload: storage closed unclean: %s", report)
         self._lease.release()
@@ -361,6 +373,7 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
     def check_offload_progress(self) -> None:
         """Collect the manager's results; free device KV every TP rank has ready."""
         self._poll()
+        metrics.refresh()
         ready = 0
         while ready < len(self._finishing) and self._finishing[ready].released:
             ready += 1
@@ -432,7 +445,8 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
                     tracked.released = True
                     self._forget_if_settled(tracked)
             elif isinstance(event, OffloadFailed):
-                log.warning(
+                _limited.warning(
+                    "offload",
                     "sglang_storage decode offload: copy of %s failed (%d pages): %s",
                     event.request_id,
                     event.pages,
@@ -451,7 +465,8 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         if tracked is not None:
             self._forget_if_settled(tracked)
         if isinstance(event, BackupFailed):
-            log.warning(
+            _limited.warning(
+                "backup",
                 "sglang_storage decode offload: backup of %s failed (%d of %d pages stored): %s",
                 event.request_id,
                 event.stored,
@@ -470,7 +485,11 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         """MIN of ``value`` over the TP ranks, or ``late`` when one did not answer in time."""
         agreed = self._ranks.agree_min(op, value, timeout_s=_RANK_TIMEOUT_S)
         if agreed is None:
-            log.warning("sglang_storage decode offload: a TP rank did not answer %s in time", op)
+            _limited.warning(
+                f"rank-{op}",
+                "sglang_storage decode offload: a TP rank did not answer %s in time",
+                op,
+            )
             return late
         return agreed
 

@@ -72,6 +72,7 @@ import torch
 from sglang_storage.config import instance_of, non_empty_str, optional
 from sglang_storage.core import GetOutcome, PutOutcome
 from sglang_storage.errors import CapacityError, ConfigError, StateError, StorageError
+from sglang_storage.managers import observability
 from sglang_storage.managers.embedding import (
     EmbeddingCacheConfig,
     EmbeddingCacheManager,
@@ -79,6 +80,7 @@ from sglang_storage.managers.embedding import (
     EmbeddingFetched,
     EmbeddingState,
 )
+from sglang_storage.managers.logs import RateLimitedLog
 from sglang_storage.managers.runtime import BackendLease, StorageRuntime
 from sglang_storage.memory import (
     EmbeddingPool,
@@ -92,7 +94,7 @@ from sglang_storage.storage import Backend
 from sglang_storage.storage.backend import MemoryRegistrar
 from sglang_storage.storage.keys import model_fingerprint
 from sglang_storage.transfer import StoragePipeline, StoragePipelineConfig
-from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters import metrics, require_supported_sglang
 from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
 
 require_supported_sglang()
@@ -121,6 +123,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_limited: Final = RateLimitedLog(log)
 
 CONTROLLER_TARGET: Final = (
     "sglang.srt.mem_cache.embedding_cache_controller.EmbeddingCacheController"
@@ -262,6 +265,7 @@ class StorageEmbeddingStore(_store_module.EmbeddingStore):  # type: ignore[misc]
             self._lease = self._runtime.backend(settings.backend, settings.backend_options)
             backend = self._lease.backend
         self._backend = backend
+        observability.watch_backend(backend)
         self._namespace_models: list[str] = []
         self._lock = threading.Lock()
 
@@ -340,6 +344,7 @@ class StorageEmbeddingStore(_store_module.EmbeddingStore):  # type: ignore[misc]
 
     def close(self) -> None:
         """Release the shared backend (its last user closes it), or close the given one."""
+        observability.SOURCES.capture(self._backend)
         if self._lease is not None:
             self._lease.release()
         else:
@@ -371,11 +376,13 @@ class _Tier:
             dim=dim, dtype=dtype, capacity=capacity, label=f"{label} embedding pool"
         )
         self.pool = EmbeddingPool(config, memory)
+        observability.watch_pool(self.pool, "embedding")
         self.page_bytes = config.page_rows * config.row_bytes
         self.pipeline: StoragePipeline | None = None
         if store is not None:
             backend = store.backend
             self.pipeline = store.pipeline(StoragePipelineConfig(workers=2))
+            observability.watch_storage_pipeline(self.pipeline, "embedding")
             if backend.capabilities.registers_memory:
                 registrar: MemoryRegistrar = backend  # type: ignore[assignment]
                 registrar.register_memory(tensor_bytes(self.pool.buffer.tensor))
@@ -395,6 +402,7 @@ class _Tier:
     def close(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
+            observability.SOURCES.remove(self.pipeline)
         self.manager.poll()  # releases what the closed pipeline finished
         self.pool.close()
 
@@ -583,6 +591,7 @@ class StorageEmbeddingCacheController(_controller_module.EmbeddingCacheControlle
 
     def _drain(self) -> list[EmbeddingEvent]:
         """Take finished storage work from the managers (caller holds ``self.lock``)."""
+        metrics.refresh()
         events: list[EmbeddingEvent] = []
         for tier in self._tiers.values():
             for event in tier.manager.poll():
@@ -591,7 +600,8 @@ class StorageEmbeddingCacheController(_controller_module.EmbeddingCacheControlle
                     for pending in self.ongoing_prefetch.values():
                         pending.discard((tier.label, event.key))
                     if event.outcome is not GetOutcome.HIT:
-                        log.warning(
+                        _limited.warning(
+                            f"get-{event.outcome.value}",
                             "[Rank %d] embedding %s: storage get %s%s",
                             self.tp_rank,
                             event.key,
@@ -599,7 +609,8 @@ class StorageEmbeddingCacheController(_controller_module.EmbeddingCacheControlle
                             f" ({event.error})" if event.error else "",
                         )
                 elif event.outcome is PutOutcome.ERROR:
-                    log.warning(
+                    _limited.warning(
+                        "put-error",
                         "[Rank %d] storage put of embedding %s failed (%s); keeping the host copy",
                         self.tp_rank,
                         event.key,
@@ -677,7 +688,8 @@ class StorageEmbeddingCacheController(_controller_module.EmbeddingCacheControlle
                         self.stats["total_allocated"] += n * tier.dim * self.element_size
                     elif state is EmbeddingState.ABSENT:
                         self.stats["allocation_failures"] += 1
-                        log.warning(
+                        _limited.warning(
+                            "prefetch-room",
                             "Req %s: no room for %d tokens in the %s pool; falling back "
                             "to the encoder.",
                             req_id,
@@ -757,8 +769,12 @@ class StorageEmbeddingCacheController(_controller_module.EmbeddingCacheControlle
                     tier.manager.insert(key, rows.to(tier.dtype).contiguous())
                 except StorageError as error:  # no room (CapacityError), empty rows: skip it
                     self.stats["allocation_failures"] += int(isinstance(error, CapacityError))
-                    log.warning(
-                        "[Rank %d] cannot cache embedding %s: %s", self.tp_rank, mm_hash, error
+                    _limited.warning(
+                        "insert",
+                        "[Rank %d] cannot cache embedding %s: %s",
+                        self.tp_rank,
+                        mm_hash,
+                        error,
                     )
                     continue
                 self.stats["total_allocated"] += rows.shape[0] * tier.dim * self.element_size
@@ -824,7 +840,9 @@ class StorageEmbeddingCacheController(_controller_module.EmbeddingCacheControlle
             tier = self._ready_tier(key)
             rows = None if tier is None else tier.rows_of(key)
             if tier is None or rows is None:
-                log.warning("Hash %s not found in local cache (or not ready)", mm_hash)
+                _limited.warning(
+                    "not-found", "Hash %s not found in local cache (or not ready)", mm_hash
+                )
                 return None
             tier.manager.load(key, dst_tensor[dst_token_offset : dst_token_offset + rows])
         event = None
@@ -1019,7 +1037,12 @@ class StorageMultiModalCache(_static_module.MultiModalStaticCache):  # type: ign
                     tier.manager.poll()  # releases rows of recalls that have landed
                     tier.manager.insert(key, rows.contiguous())
             except StorageError as error:
-                log.warning("prefix embedding cache: host copy of %s skipped: %s", mm_hash, error)
+                _limited.warning(
+                    "prefix-copy",
+                    "prefix embedding cache: host copy of %s skipped: %s",
+                    mm_hash,
+                    error,
+                )
 
     def _recall(self, mm_hash: int | None) -> Any:
         if mm_hash is None:
@@ -1037,7 +1060,12 @@ class StorageMultiModalCache(_static_module.MultiModalStaticCache):  # type: ign
                     tier.manager.load(key, out)
                     tier.manager.poll()
                 except StorageError as error:
-                    log.warning("prefix embedding cache: recall of %s failed: %s", mm_hash, error)
+                    _limited.warning(
+                        "prefix-recall",
+                        "prefix embedding cache: recall of %s failed: %s",
+                        mm_hash,
+                        error,
+                    )
                     return None
                 break
             else:

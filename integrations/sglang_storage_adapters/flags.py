@@ -47,6 +47,7 @@ from sglang_storage.config import (
     tuple_of,
 )
 from sglang_storage.errors import ConfigError, StorageError
+from sglang_storage.managers.logs import LOG_LEVELS
 from sglang_storage.storage.registry import backend_entry, backend_names
 from sglang_storage.units import parse_bytes
 
@@ -55,8 +56,9 @@ __all__ = [
     "DYNAMIC_BACKEND_NAME",
     "HICACHE_CLASS_NAME",
     "HICACHE_MODULE_PATH",
-    "MANAGER_NAMES",
     "LOAD_POLICIES",
+    "LOG_LEVELS",
+    "MANAGER_NAMES",
     "PREFETCH_POLICIES",
     "SGLANG_DEFAULTS",
     "STORAGE_DESTS",
@@ -432,6 +434,15 @@ def _flags() -> tuple[_Flag, ...]:
             choices=LOAD_POLICIES,
         ),
         _Flag(
+            "--storage-log-level",
+            "storage_log_level",
+            None,
+            "The level of sglang_storage's own log messages (the sglang_storage and "
+            "sglang_storage_adapters loggers) in every SGLang process; SGLang's "
+            "--log-level stays for the rest. Default: SGLang's level.",
+            choices=LOG_LEVELS,
+        ),
+        _Flag(
             "--storage-managers",
             "storage_managers",
             "LIST",
@@ -454,6 +465,7 @@ STORAGE_DESTS: Final = (
     "storage_prefetch_timeout_base",
     "storage_prefetch_timeout_per_ki_token",
     "storage_load_policy",
+    "storage_log_level",
     "storage_managers",
 )
 """The argparse destinations of the ``--storage-*`` flags (none is a ServerArgs field)."""
@@ -526,6 +538,8 @@ class StorageFlags:
     """Seconds per 1024 tokens; the growing part of the ``timeout`` policy's deadline."""
     load_policy: str | None = attrs.field(default=None, validator=optional(one_of(*LOAD_POLICIES)))
     """Which storage hits are prefetched (``always`` when None)."""
+    log_level: str | None = attrs.field(default=None, validator=optional(one_of(*LOG_LEVELS)))
+    """The sglang_storage loggers' level (SGLang's when None)."""
     managers: tuple[str, ...] = attrs.field(
         default=AVAILABLE_MANAGERS, validator=tuple_of(one_of(*MANAGER_NAMES))
     )
@@ -595,6 +609,7 @@ def storage_flags_from_args(args: argparse.Namespace) -> StorageFlags | None:
         prefetch_timeout_base=given.get("storage_prefetch_timeout_base"),
         prefetch_timeout_per_ki_token=given.get("storage_prefetch_timeout_per_ki_token"),
         load_policy=given.get("storage_load_policy"),
+        log_level=given.get("storage_log_level"),
         managers=given.get("storage_managers", AVAILABLE_MANAGERS),
         file_storage_path=getattr(args, "file_storage_path", None) or None,
     )
@@ -619,6 +634,8 @@ def extra_config(flags: StorageFlags) -> dict[str, object]:
     }
     if flags.load_policy is not None:
         config["storage_load_policy"] = flags.load_policy
+    if flags.log_level is not None:
+        config["storage_log_level"] = flags.log_level
     prefetch = {
         "prefetch_threshold": flags.prefetch_threshold,
         "prefetch_timeout_base": flags.prefetch_timeout_base,

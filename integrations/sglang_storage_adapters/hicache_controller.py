@@ -50,6 +50,7 @@ from typing import Any, Final
 import torch
 
 from sglang_storage.errors import CapacityError, ConfigError, StorageError
+from sglang_storage.managers import observability
 from sglang_storage.managers.controller import (
     CacheController,
     ControllerConfig,
@@ -57,6 +58,7 @@ from sglang_storage.managers.controller import (
     HitQueryDone,
     ReadProgress,
 )
+from sglang_storage.managers.logs import RateLimitedLog
 from sglang_storage.memory import (
     Attention,
     BudgetConfig,
@@ -116,6 +118,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_limited: Final = RateLimitedLog(log)
 
 _OWNER: Final = "sglang_storage HiCache controller"
 _LAYOUTS: Final = {layout.value: layout for layout in KVLayout}
@@ -377,7 +380,9 @@ class PipelineTransferEngine:
             if result.ok:
                 continue
             self.failed_transfers += 1
-            log.error(
+            _limited.log(
+                logging.ERROR,
+                f"transfer-{result.direction.value}",
                 "sglang_storage %s of %d host pages failed: %s",
                 result.direction.value,
                 result.pages,
@@ -597,6 +602,8 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
             device_kv(self.mem_pool_device, host.storage_pool), host.storage_pool, config
         )
         self.l2_transfer_engine = PipelineTransferEngine(pipeline, host)
+        observability.watch_device_pipeline(pipeline, "kv")
+        observability.watch_pool(host.storage_pool, "kv")
         self._host = host
         self._core: CacheController | None = None
         self._storage_pipeline: StoragePipeline | None = None
@@ -668,6 +675,9 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
             ranks=rank_sync(self._sync_groups),
             config=config,
         )
+        observability.watch_controller(self._core)
+        observability.watch_storage_pipeline(self._storage_pipeline, "kv")
+        observability.watch_backend(backend.backend)
         log.info(
             "sglang_storage HiCache storage tier: backend %s, load policy %s, no storage threads",
             type(backend.backend).__name__,
@@ -681,10 +691,13 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
             return
         self.storage_stop_event.set()
         self._core = self._storage_pipeline = None
+        observability.SOURCES.remove(core)  # its counts stay in the totals
+        observability.SOURCES.capture(self.device_pipeline)
         self._deliver(core.close())
         if pipeline is not None:
             pipeline.close(drain=True)
             core.poll()  # calls that outlived the close have returned: unpin their pages
+            observability.SOURCES.remove(pipeline)
         self._queries.clear()
         self._reads.clear()
         self._read_ids.clear()
@@ -725,7 +738,8 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
             else:
                 operation = self._backups.pop(event.backup_id)
                 if event.stored_pages < event.requested_pages:
-                    log.warning(
+                    _limited.warning(
+                        "backup",
                         "sglang_storage backup: %d of %d pages stored (%s)",
                         event.stored_pages,
                         event.requested_pages,

@@ -91,12 +91,14 @@ from sglang_storage.core import (
     PutResult,
 )
 from sglang_storage.errors import BackendUnavailableError, ConfigError, StorageError
+from sglang_storage.managers import observability
+from sglang_storage.managers.logs import RateLimitedLog
 from sglang_storage.managers.runtime import BackendLease, StorageRuntime, kv_page_namespace
 from sglang_storage.memory import tensor_bytes
 from sglang_storage.policy.eviction import EvictionConfig
 from sglang_storage.storage import Backend, BackendStats
 from sglang_storage.storage.backend import MemoryRegistrar, count_prefix
-from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters import metrics, require_supported_sglang
 from sglang_storage_adapters._sglang_pools import PoolPages, SGLangHostPool
 from sglang_storage_adapters.runtime import (
     RuntimeSettings,
@@ -117,6 +119,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402 - after the ver
 __all__ = ["ADAPTER_NAME", "AdapterSettings", "HiCacheBackend", "parse_extra_config"]
 
 log = logging.getLogger(__name__)
+_limited: Final = RateLimitedLog(log)
 
 ADAPTER_NAME: Final = "sglang_storage"
 """The ``backend_name`` this adapter is configured under."""
@@ -333,6 +336,7 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         self._runtime = process_runtime(settings.runtime)
         self._lease = self._runtime.backend(settings.storage_backend, settings.storage_options)
         self._backend: Backend = self._lease.backend
+        observability.watch_backend(self._backend)
         self._closed = False
         log.info(
             "sglang_storage HiCache backend: %s backend, rank tp%d/%d pp%d/%d cp%d/%d, %s",
@@ -531,7 +535,9 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             self._check_open()
             return call()
         except StorageError as error:
-            log.warning("sglang_storage HiCache %s failed: %s", what, error)
+            _limited.warning(
+                f"call-{what.split()[0]}", "sglang_storage HiCache %s failed: %s", what, error
+            )
         except Exception:
             log.exception("sglang_storage HiCache %s failed unexpectedly", what)
         return fallback
@@ -705,7 +711,7 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             try:
                 pool = self._pool(transfer.name)
             except ConfigError as error:
-                log.warning("sglang_storage HiCache batch_exists_v2: %s", error)
+                _limited.warning("exists_v2", "sglang_storage HiCache batch_exists_v2: %s", error)
                 plans.append((transfer, [False] * len(pool_keys)))
                 continue
             if pool.pages.logical:
@@ -756,7 +762,7 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
                 # Check the indices now, so one bad transfer fails alone.
                 pool.pages.page_starts(transfer.host_indices, len(keys))
             except ConfigError as error:
-                log.warning("sglang_storage HiCache %s: %s", what, error)
+                _limited.warning(f"pool-{what}", "sglang_storage HiCache %s: %s", what, error)
                 results[transfer.name] = [False] * len(keys)
                 continue
             if keys:
@@ -811,7 +817,12 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
                     view = tensor_bytes(target, owner="batch_get target")
                     requests.append(GetRequest(key=pool.key(key), spec=pages.spec, buffers=(view,)))
                 except ConfigError as error:
-                    log.warning("sglang_storage HiCache batch_get: page %s: %s", key, error)
+                    _limited.warning(
+                        "batch_get-page",
+                        "sglang_storage HiCache batch_get: page %s: %s",
+                        key,
+                        error,
+                    )
                     continue
                 slots.append(i)
             started = time.perf_counter()
@@ -906,7 +917,13 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             self._backend.clear(namespace)
 
     def get_stats(self) -> Any:
-        """SGLang's ``StorageMetrics`` since the last call (empty unless metrics are on)."""
+        """SGLang's ``StorageMetrics`` since the last call (empty unless metrics are on).
+
+        SGLang's tree calls it on every ``check_hicache_events`` when metrics are on;
+        each call also refreshes this process's sglang_storage series for ``/metrics``
+        (at most once a second, see :mod:`.metrics`).
+        """
+        metrics.refresh()
         return self._metrics.drain()
 
     def close(self) -> None:
@@ -915,6 +932,7 @@ class HiCacheBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         Closing twice is a no-op.
         """
         self._closed = True
+        observability.SOURCES.capture(self._backend)  # its counts, should this close it
         self._lease.release()
 
 
@@ -939,7 +957,8 @@ def _apply_policy(
     if policy == PoolHitPolicy.BLOCK_GROUPS:
         block, group = int(transfer.block_pages), int(transfer.group_pages)
         if block <= 0 or group <= 0:
-            log.warning(
+            _limited.warning(
+                f"block-groups-{transfer.name}",
                 "sglang_storage HiCache batch_exists_v2: pool %s has BLOCK_GROUPS with "
                 "block_pages=%d, group_pages=%d; both must be >= 1, so it gets no verdict",
                 transfer.name,

@@ -13,15 +13,21 @@ unchanged unless :func:`~.runtime.runtime_settings` says its manager is on (it i
 before the server arguments exist, so it registers something that decides later, e.g. a
 stack strategy whose ``matches`` reads the settings, or a HookRegistry replacement whose
 constructor does). An installer that fails is logged and skipped; the others still run.
+
+Without CUDA, :func:`register` first says (once, in the process SGLang starts from, before
+it loads a model) that serving needs a GPU and which parts run on CPU (:data:`NO_CUDA`):
+otherwise the first sign is SGLang failing inside model loading (``No module named
+'vllm'``).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import multiprocessing
 from typing import Final
 
-__all__ = ["INSTALLERS", "installed", "register"]
+__all__ = ["INSTALLERS", "NO_CUDA", "installed", "register", "say_if_no_cuda"]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,17 @@ INSTALLERS: Final[tuple[str, ...]] = (
 )
 """Every adapter's installer, ``"module:function"``; append yours here."""
 
+NO_CUDA: Final = (
+    "sglang_storage: no CUDA device here (torch %s, CUDA build %s): serving with SGLang "
+    "needs a GPU, so launch_server will fail while loading the model. What runs on this "
+    "machine: `sglang-storage replay` (the KV cache tiers on a generated chat workload, "
+    "through the file backend) and `sglang-storage bench` (backend benchmarks, optionally "
+    "against SGLang's HiCacheFile)."
+)
+"""The warning :func:`say_if_no_cuda` logs."""
+
 _done: list[str] = []
+_said: list[bool] = []
 
 
 def installed() -> tuple[str, ...]:
@@ -51,8 +67,26 @@ def installed() -> tuple[str, ...]:
     return tuple(_done)
 
 
+def say_if_no_cuda() -> bool:
+    """Warn with :data:`NO_CUDA` when CUDA is absent; once, and only in a top process.
+
+    SGLang's own processes (schedulers, detokenizer) are children of the one that loaded
+    the plug-in first, so the user sees the line once. Returns whether it was logged.
+    """
+    if _said or multiprocessing.parent_process() is not None:
+        return False
+    _said.append(True)
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    log.warning(NO_CUDA, torch.__version__, torch.version.cuda or "none")
+    return True
+
+
 def register() -> None:
     """Run every installer of :data:`INSTALLERS` not yet run in this process."""
+    say_if_no_cuda()
     for spec in INSTALLERS:
         if spec in _done:
             continue

@@ -25,7 +25,8 @@ Extra-config keys (any other is a :class:`~sglang_storage.errors.ConfigError`):
 absent, what the components ask, up to the host's share per rank), ``host_reservations``
 (bytes per component: ``kv``, ``decode``, ``sparse``, ``embedding``, ``experts``,
 ``weights``),
-``storage_load_policy`` (read by the HiCache controller); and SGLang's own
+``storage_load_policy`` (read by the HiCache controller), ``storage_log_level`` (the
+sglang_storage loggers' level, applied when the runtime is built); and SGLang's own
 (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, ``allocator``,
 ``file_storage_path``, ``prefetch_*``, ``hicache_storage_pass_prefix_keys``,
 ``tp_lcm_size``).
@@ -34,6 +35,8 @@ absent, what the components ask, up to the host's share per rank), ``host_reserv
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 import types
 from collections.abc import Mapping
@@ -44,10 +47,12 @@ import attrs
 from sglang_storage.config import BYTES, build_config, non_empty_str, one_of, optional, tuple_of
 from sglang_storage.config import non_negative_int as _non_negative_int
 from sglang_storage.errors import ConfigError
+from sglang_storage.managers.logs import LOG_LEVELS, apply_log_level
+from sglang_storage.managers.observability import SOURCES, runtime_families
 from sglang_storage.managers.runtime import COMPONENTS, RankLayout, RuntimeConfig, StorageRuntime
 from sglang_storage.policy.eviction import EvictionConfig
 from sglang_storage.storage import backend_entry, backend_names
-from sglang_storage.units import parse_bytes
+from sglang_storage.units import format_bytes, parse_bytes
 from sglang_storage_adapters.flags import DYNAMIC_BACKEND_NAME, LOAD_POLICIES, MANAGER_NAMES
 
 __all__ = [
@@ -58,6 +63,8 @@ __all__ = [
     "runtime_settings",
     "storage_rank_layout",
 ]
+
+log = logging.getLogger(__name__)
 
 _OWNER: Final = "sglang_storage runtime settings (--hicache-storage-backend-extra-config)"
 _DEFAULT_MANAGERS: Final = ("kv",)
@@ -85,6 +92,7 @@ _OUR_KEYS: Final = frozenset(
         "host_memory",
         "host_reservations",
         "storage_load_policy",
+        "storage_log_level",
     }
 )
 
@@ -116,6 +124,8 @@ class RuntimeSettings:
     """Bytes reserved per component, as ``(component, bytes)`` pairs."""
     load_policy: str = attrs.field(default="always", validator=one_of(*LOAD_POLICIES))
     """Which storage hits the HiCache controller prefetches (``--storage-load-policy``)."""
+    log_level: str | None = attrs.field(default=None, validator=optional(one_of(*LOG_LEVELS)))
+    """The sglang_storage loggers' level (``--storage-log-level``; SGLang's when None)."""
 
     def enabled(self, manager: str) -> bool:
         """Whether ``manager`` (one of :data:`~.flags.MANAGER_NAMES`) is switched on."""
@@ -225,6 +235,7 @@ def parse_settings(
             host_memory=None if host_memory is None else _size(host_memory, "host_memory"),
             host_reservations=_reservations(extra.get("host_reservations")),
             load_policy=extra.get("storage_load_policy", "always"),  # type: ignore[arg-type]
+            log_level=extra.get("storage_log_level"),  # type: ignore[arg-type]
         )
     except ConfigError as error:
         raise error.renamed(owner=_OWNER) from None
@@ -353,10 +364,31 @@ def process_runtime(
     with _runtimes_lock:
         runtime = _RUNTIMES.get(key)
         if runtime is None:
+            if settings.log_level is not None:
+                apply_log_level(settings.log_level)
             ranks = _ranks_per_host() if ranks_per_host is None else ranks_per_host
             runtime = StorageRuntime(settings.runtime_config(ranks_per_host=ranks))
             _RUNTIMES[key] = runtime
+            SOURCES.add(runtime, runtime_families)
+            log.info("%s", startup_line(settings, runtime))
         return runtime
+
+
+def startup_line(settings: RuntimeSettings, runtime: StorageRuntime) -> str:
+    """The one line a process logs when its storage runtime starts: what serves, and where."""
+    options = settings.backend_options
+    where = ""
+    for option in ("root", "master_address", "metadata_server"):
+        if options.get(option):
+            where += f" {option}={options[option]}"
+    budget = runtime.budget.stats().total
+    reserved = ", ".join(f"{name} {format_bytes(n)}" for name, n in settings.host_reservations)
+    return (
+        f"sglang_storage on (pid {os.getpid()}): managers {','.join(settings.managers)}; "
+        f"backend {settings.backend}{where}; host memory budget {format_bytes(budget)}"
+        + (f" (reserved: {reserved})" if reserved else "")
+        + f"; load policy {settings.load_policy}"
+    )
 
 
 def _ranks_per_host() -> int:

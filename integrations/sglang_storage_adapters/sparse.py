@@ -70,10 +70,11 @@ import attrs
 import torch
 
 from sglang_storage.errors import ConfigError, StateError
+from sglang_storage.managers import observability
 from sglang_storage.managers.sparse import SparseKVConfig, SparseKVManager
 from sglang_storage.memory import Attention, KVGeometry, KVHostPool, KVLayout
 from sglang_storage.transfer import DeviceHostPipeline, DeviceKV
-from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters import metrics, require_supported_sglang
 from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
 
 require_supported_sglang()
@@ -224,9 +225,12 @@ class HiSparseAdapter(_sglang_hisparse.HiSparseCoordinator):  # type: ignore[mis
             geometry=geometry, k=tuple(buffer[self.base : end] for buffer in pool.kv_buffer)
         )
         self.host_pool = KVHostPool(geometry, memory, label="HiSparse host pool")
+        pipeline = DeviceHostPipeline(device_kv, self.host_pool)
+        observability.watch_device_pipeline(pipeline, "sparse")
+        observability.watch_pool(self.host_pool, "sparse")
         self.manager = SparseKVManager(
             host=self.host_pool,
-            device=DeviceHostPipeline(device_kv, self.host_pool),
+            device=pipeline,
             config=SparseKVConfig(
                 device_slots=device_buffer_size,
                 max_tokens=int(req_to_token_pool.max_context_len),
@@ -347,6 +351,7 @@ class HiSparseAdapter(_sglang_hisparse.HiSparseCoordinator):  # type: ignore[mis
 
     def collect_ready_reqs(self) -> list[Any]:
         """The staged requests every TP rank has ready, oldest first."""
+        metrics.refresh()  # the scheduler asks every step
         ready = len(self.ack_staging_queue)
         if ready and self.tp_world_size > 1:
             count = torch.tensor(ready, dtype=torch.int)
