@@ -329,16 +329,19 @@ def test_filtered_restore_is_byte_exact_across_processes_and_falls_back_to_the_s
 
 @pytest.mark.timeout(60)
 def test_without_weights_in_the_managers_sglang_builds_and_runs_its_own_client(
-    tmp_path: Path, loopback: None
+    tmp_path: Path, loopback: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SGLang's client, through the model runner's name, against SGLang's PULL/PUB protocol."""
     import zmq
     from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.elastic_ep import expert_backup_client
     from sglang.srt.elastic_ep.expert_backup_client import ExpertBackupClient
     from sglang.srt.managers.io_struct import BackupDramReq, sock_recv, sock_send
 
     write_checkpoint(tmp_path / "model")
     base = int(os.environ["SGLANG_BACKUP_PORT_BASE"])
+    # SGLang's client reads the port base once, when its module is first imported.
+    monkeypatch.setattr(expert_backup_client, "PORT_BASE", base)
     context = zmq.Context()
     pull, pub = context.socket(zmq.PULL), context.socket(zmq.PUB)
     pull.bind(f"tcp://{LOOPBACK}:{base}")
