@@ -367,3 +367,12 @@ def test_without_weights_in_the_managers_sglang_builds_and_runs_its_own_client(
         assert client.use_backup
         client._receive_thread.join(timeout=20)  # SGLang's registration of every parameter
         assert not client._receive_thread.is_alive()
+
+
+def test_every_expert_has_one_holder_node() -> None:
+    from sglang_storage_adapters.elastic_ep import node_slice
+
+    for experts, nodes in ((256, 3), (4, 1), (10, 4), (3, 3)):
+        held = [e for node in range(nodes) for e in node_slice(experts, nodes, node)]
+        assert held == list(range(experts)), (experts, nodes)  # SGLang's slicing drops E % n
+    assert node_slice(10, 4, 1) == range(2, 4)  # SGLang's E // nnodes per node
