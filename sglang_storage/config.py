@@ -21,6 +21,7 @@ holds what they share:
 
 from __future__ import annotations
 
+import difflib
 import enum
 import math
 import types
@@ -270,10 +271,13 @@ def build_config(cls: type[T], data: Mapping[str, object], *, owner: str | None 
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
+        near = {key: difflib.get_close_matches(key, fields, n=1, cutoff=0.75) for key in unknown}
+        suggested = [f"{key!r} -> {match[0]!r}" for key, match in near.items() if match]
         raise ConfigError(
             owner=name,
             field=", ".join(unknown),
-            reason=f"unknown option{'s' if len(unknown) > 1 else ''}",
+            reason=f"unknown option{'s' if len(unknown) > 1 else ''}"
+            + (f" (did you mean {', '.join(suggested)}?)" if suggested else ""),
             allowed=", ".join(sorted(fields)) or "no options",
         )
     missing = sorted(

@@ -389,8 +389,8 @@ def test_build_unknown_option() -> None:
 def test_build_several_unknown_options_listed_together() -> None:
     error = _error(build_config, cls=Required, data={"zeta": 1, "alpha": 1, "eta": 2, "beta": "b"})
     assert error.field == "eta, zeta"
-    assert error.reason == "unknown options"
-    assert str(error) == "Required.eta, zeta: unknown options; allowed: alpha, beta, gamma"
+    assert error.reason == "unknown options (did you mean 'eta' -> 'beta', 'zeta' -> 'beta'?)"
+    assert str(error).endswith("?); allowed: alpha, beta, gamma")
 
 
 def test_build_unknown_option_is_reported_before_missing() -> None:
@@ -618,7 +618,7 @@ def test_build_nested_coercion_error_names_the_path() -> None:
     error = _error(build_config, cls=Outer, data={"name": "o", "inner": {"size": "64G"}})
     assert error.owner == "Outer.inner"
     assert error.field == "size"
-    assert str(error).startswith("Outer.inner.size: unknown unit 'G' (got '64G')")
+    assert str(error).startswith("Outer.inner.size: unknown unit 'G'; did you mean 64GB or 64GiB?")
 
 
 def test_build_nested_unknown_option_names_the_path() -> None:
@@ -626,7 +626,9 @@ def test_build_nested_unknown_option_names_the_path() -> None:
     assert error.owner == "Outer.inner"
     assert error.field == "sise"
     assert error.allowed == "root, size"
-    assert str(error) == "Outer.inner.sise: unknown option; allowed: root, size"
+    assert str(error) == (
+        "Outer.inner.sise: unknown option (did you mean 'sise' -> 'size'?); allowed: root, size"
+    )
 
 
 def test_build_nested_validator_error_names_the_path() -> None:
