@@ -363,7 +363,7 @@ def _available_memory() -> int | None:
 
 def _check_backend(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     names = backend_names()
-    if args.backend not in names:
+    if args.backend not in backend_names(test_backends=True):
         raise _UsageError(
             f"argument --backend: {args.backend!r} is not a known backend; allowed: "
             + ", ".join(names)

@@ -9,6 +9,7 @@ manner of ``e2fsck``. It also holds the backend options every inspecting command
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -178,6 +179,16 @@ def backend_choice(args: argparse.Namespace) -> BackendChoice:
             )
         options.update(parsed)
     fields = attrs.fields_dict(entry.config_type)
+    unknown = sorted(set(options) - set(fields))
+    if unknown:  # before the root check, so a typo of "root" is not reported as missing
+        near = {key: difflib.get_close_matches(key, fields, n=1) for key in unknown}
+        hints = [f"{key!r} -> {match[0]!r}" for key, match in near.items() if match]
+        raise UsageError(
+            f"--backend-config: unknown option{'s' if len(unknown) > 1 else ''} of the "
+            f"{name} backend: {', '.join(unknown)}"
+            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+            + f"; allowed: {', '.join(sorted(fields))}"
+        )
     if args.dir is not None:
         if "root" not in fields:
             raise UsageError(f"--dir: the {name} backend has no root directory option")

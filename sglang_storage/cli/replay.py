@@ -425,7 +425,7 @@ def _backend_options(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> tuple[str, dict[str, Any], str | None]:
     names = backend_names()
-    if args.backend not in names:
+    if args.backend not in backend_names(test_backends=True):
         parser.error(
             f"--backend {args.backend!r} is not a known backend; choose from {', '.join(names)}"
         )

@@ -68,6 +68,9 @@ class BackendEntry(Generic[C]):
     factory: Callable[[C, BackendContext], Backend]
     summary: str = ""
     """One line for listings (``sglang-storage stats``, errors naming what exists)."""
+    test_only: bool = False
+    """A backend for tests and drills (``faulty``): usable by name, but left out of
+    listings unless they ask for test backends (``backend_names(test_backends=True)``)."""
 
 
 _lock = threading.Lock()
@@ -94,11 +97,16 @@ def register_backend(entry: BackendEntry[Any], *, replace: bool = False) -> None
         _entries[entry.name] = entry
 
 
-def backend_names() -> list[str]:
-    """The names of every available backend, sorted."""
+def backend_names(*, test_backends: bool = False) -> list[str]:
+    """The names of the available backends, sorted.
+
+    Args:
+        test_backends: Include the test-only ones (:attr:`BackendEntry.test_only`), which
+            :func:`backend_entry` and :func:`create_backend` accept by name either way.
+    """
     _load_plugins()
     with _lock:
-        return sorted(_entries)
+        return sorted(n for n, e in _entries.items() if test_backends or not e.test_only)
 
 
 def backend_entry(name: str) -> BackendEntry[Any]:
@@ -112,7 +120,7 @@ def backend_entry(name: str) -> BackendEntry[Any]:
     with _lock:
         entry = _entries.get(name)
         broken = _broken.get(name)
-        known = ", ".join(sorted(_entries))
+        known = ", ".join(sorted(n for n, e in _entries.items() if not e.test_only))
     if entry is not None:
         return entry
     if broken is not None:
@@ -248,5 +256,6 @@ register_backend(
         config_type=FaultyBackendConfig,
         factory=_faulty,
         summary="another backend with seeded injected faults (reliability tests, drills)",
+        test_only=True,
     )
 )

@@ -16,21 +16,17 @@ storage side talks to :class:`PageStore`, a ``Protocol`` declared here that the 
 - :class:`StoragePipeline` (:mod:`.pipeline`) - get/put/exists of page batches on a small
   worker pool: bounded per-priority queues with back-pressure, batching, deadlines,
   cancellation, failure isolation, bounded shutdown, and :class:`PipelineMetrics`.
+
+The device side (:mod:`.device`, :mod:`.device_kv`, :mod:`.io`, :mod:`.io_kernel`) needs
+torch and is imported on first use of one of its names, so the storage side (and every
+backend, through :class:`PageStore`) is importable without torch.
 """
 
-from sglang_storage.transfer.device import (
-    CopyDirection,
-    CopyMetrics,
-    DeviceHostPipeline,
-    DeviceLoadHandle,
-    DeviceTransferConfig,
-    DeviceTransferHandle,
-    DeviceTransferMetrics,
-    DeviceTransferResult,
-    DeviceTransferState,
-    LayerDoneCounter,
-)
-from sglang_storage.transfer.device_kv import DeviceKV
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from sglang_storage.transfer.handles import (
     AnyHandle,
     CloseReport,
@@ -42,14 +38,6 @@ from sglang_storage.transfer.handles import (
     PutHandle,
     TransferHandle,
 )
-from sglang_storage.transfer.io import (
-    CopyPlan,
-    IOBackend,
-    IOBackendChoice,
-    TorchIOBackend,
-    open_io_backend,
-)
-from sglang_storage.transfer.io_kernel import KernelIOBackend, kernel_unavailable_reason
 from sglang_storage.transfer.metrics import (
     LATENCY_BOUNDS_S,
     KindMetrics,
@@ -62,6 +50,61 @@ from sglang_storage.transfer.pipeline import (
     StoragePipelineConfig,
 )
 from sglang_storage.transfer.store import PageStore
+
+if TYPE_CHECKING:
+    from sglang_storage.transfer.device import (
+        CopyDirection,
+        CopyMetrics,
+        DeviceHostPipeline,
+        DeviceLoadHandle,
+        DeviceTransferConfig,
+        DeviceTransferHandle,
+        DeviceTransferMetrics,
+        DeviceTransferResult,
+        DeviceTransferState,
+        LayerDoneCounter,
+    )
+    from sglang_storage.transfer.device_kv import DeviceKV
+    from sglang_storage.transfer.io import (
+        CopyPlan,
+        IOBackend,
+        IOBackendChoice,
+        TorchIOBackend,
+        open_io_backend,
+    )
+    from sglang_storage.transfer.io_kernel import KernelIOBackend, kernel_unavailable_reason
+
+_LAZY = {
+    "CopyDirection": "device",
+    "CopyMetrics": "device",
+    "DeviceHostPipeline": "device",
+    "DeviceLoadHandle": "device",
+    "DeviceTransferConfig": "device",
+    "DeviceTransferHandle": "device",
+    "DeviceTransferMetrics": "device",
+    "DeviceTransferResult": "device",
+    "DeviceTransferState": "device",
+    "LayerDoneCounter": "device",
+    "DeviceKV": "device_kv",
+    "CopyPlan": "io",
+    "IOBackend": "io",
+    "IOBackendChoice": "io",
+    "TorchIOBackend": "io",
+    "open_io_backend": "io",
+    "KernelIOBackend": "io_kernel",
+    "kernel_unavailable_reason": "io_kernel",
+}
+
+
+def __getattr__(name: str) -> object:
+    """The device-side names, imported (with torch) when first asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LATENCY_BOUNDS_S",

@@ -454,3 +454,14 @@ def test_without_plugins_only_builtins(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == backend_names()
     assert {"file", "memory"} <= set(backend_names())
+
+
+def test_test_only_backends_work_by_name_but_are_not_listed() -> None:
+    assert "faulty" not in backend_names()
+    assert "faulty" in backend_names(test_backends=True)
+    assert backend_entry("faulty").test_only
+    assert not backend_entry("file").test_only
+    with pytest.raises(ConfigError) as caught:
+        backend_entry("nope")
+    assert "faulty" not in (caught.value.allowed or "")
+    assert "file" in (caught.value.allowed or "")
