@@ -20,6 +20,10 @@ Each flag is checked as it is parsed (backend name against the registry, sizes, 
 and manager names); what needs several flags (the backend's options against its config
 class, conflicts with ``--hicache-*`` flags) is checked when :class:`StorageFlags` is
 built. :func:`hicache_settings` is the translation itself.
+
+``--storage-config FILE`` holds any of the other flags in a TOML or JSON file (the format
+and keys are :mod:`sglang_storage.cli.settings`'s); a flag given on the command line
+overrides the file's value.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
+import sys
 import tomllib
 import types
 from collections.abc import Callable, Mapping
@@ -35,6 +41,15 @@ from typing import Any, Final
 
 import attrs
 
+from sglang_storage.cli.settings import (
+    AVAILABLE_MANAGERS,
+    LOAD_POLICIES,
+    MANAGER_NAMES,
+    PREFETCH_POLICIES,
+    WRITE_POLICIES,
+    StorageSettings,
+    load_settings,
+)
 from sglang_storage.config import (
     build_config,
     int_in_range,
@@ -49,7 +64,7 @@ from sglang_storage.config import (
 from sglang_storage.errors import ConfigError, StorageError
 from sglang_storage.managers.logs import LOG_LEVELS
 from sglang_storage.storage.registry import backend_entry, backend_names
-from sglang_storage.units import parse_bytes
+from sglang_storage.units import SIZE_HELP, describe_bytes, parse_bytes
 
 __all__ = [
     "AVAILABLE_MANAGERS",
@@ -69,7 +84,9 @@ __all__ = [
     "check_managers",
     "extra_config",
     "hicache_settings",
+    "host_pool_size",
     "parse_backend_config",
+    "parse_config_file",
     "parse_host_memory",
     "parse_managers",
     "storage_flags_from_args",
@@ -82,23 +99,14 @@ HICACHE_CLASS_NAME: Final = "HiCacheBackend"
 DYNAMIC_BACKEND_NAME: Final = "sglang_storage"
 """The ``backend_name`` SGLang's ``dynamic`` backend logs and registers the adapter under."""
 
-MANAGER_NAMES: Final = ("kv", "decode", "sparse", "embedding", "experts", "records", "weights")
-"""Every data-kind manager sglang_storage has or will have, in ``--storage-managers`` order."""
-AVAILABLE_MANAGERS: Final = ("kv", "decode", "sparse", "embedding", "experts")
-"""The managers this integration serves in this release: the HiCache KV tiers, decode-side
-request offload, HiSparse token offload, the encoder embedding cache and the paged-experts
-host store. Each takes effect only where SGLang builds that component (e.g. ``decode``
-under ``--disaggregation-decode-enable-offload-kvcache``, ``experts`` under
-``--enable-paged-experts``)."""
-WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back")
-"""``--storage-write-policy`` values; SGLang's ``--hicache-write-policy`` choices."""
-PREFETCH_POLICIES: Final = ("best_effort", "wait_complete", "timeout")
-"""``--storage-prefetch-policy`` values; SGLang's ``--hicache-storage-prefetch-policy``."""
-LOAD_POLICIES: Final = ("always", "cost")
-"""``--storage-load-policy`` values (``sglang_storage.managers.controller.LoadPolicy``)."""
+# MANAGER_NAMES, AVAILABLE_MANAGERS, WRITE_POLICIES, PREFETCH_POLICIES and LOAD_POLICIES
+# are sglang_storage.cli.settings's, which checks the config file with them.
 
 GB: Final = 10**9
 """The unit of SGLang's ``--hicache-size`` (``int(size * 1e9 // bytes_per_token)``)."""
+HOST_POOL_BYTES_KEY: Final = "storage_host_pool_bytes"
+"""The extra-config key that carries ``--storage-host-memory`` exactly, in bytes (SGLang's
+``--hicache-size`` holds whole GB); :func:`host_pool_size` reads it."""
 
 SGLANG_DEFAULTS: Final[Mapping[str, object]] = types.MappingProxyType(
     {
@@ -157,16 +165,31 @@ def _argparse_type(parse: Callable[[str], object], name: str) -> Callable[[str],
 
 
 def _parse_backend_name(text: str) -> str:
-    names = backend_names()
-    if text not in names:
+    # Test-only backends (faulty) are accepted by name but not listed.
+    if text not in backend_names(test_backends=True):
         raise ConfigError(
             owner=_OWNER,
             field="--storage-backend",
             value=text,
             reason="is not a known sglang_storage backend",
-            allowed=", ".join(names),
+            allowed=", ".join(backend_names()),
         )
     return text
+
+
+def parse_config_file(text: str) -> StorageSettings:
+    """Return the settings of the ``--storage-config`` file at ``text``.
+
+    Raises:
+        ConfigError: as :func:`sglang_storage.cli.settings.load_settings` (the reason
+            names the file's path and key).
+    """
+    try:
+        return load_settings(text)
+    except ConfigError as error:
+        raise ConfigError(
+            owner=_OWNER, field="--storage-config", value=text, reason=str(error)
+        ) from None
 
 
 def parse_backend_config(text: str) -> dict[str, object]:
@@ -258,20 +281,18 @@ def _require_json(options: Mapping[str, object], *, field: str) -> None:
 
 
 def parse_host_memory(text: str) -> int:
-    """Return the host memory budget ``text`` names, in bytes (``"64GiB"``, ``"200GB"``).
+    """Return the KV host pool size ``text`` names, in bytes (``"64GiB"``, ``"200GB"``).
+
+    The count is exact: the pool is sized from it, not from SGLang's whole-GB
+    ``--hicache-size``.
 
     Raises:
-        ConfigError: not a size, or below 1 GB (SGLang sizes its host pool in whole GB).
+        ConfigError: not a size, or zero.
     """
     field = "--storage-host-memory"
     size = parse_bytes(text, owner=_OWNER, field=field)
-    if size < GB:
-        raise ConfigError(
-            owner=_OWNER,
-            field=field,
-            value=text,
-            reason="must be at least 1GB (SGLang sizes the host pool in whole GB, 10^9 bytes)",
-        )
+    if size <= 0:
+        raise ConfigError(owner=_OWNER, field=field, value=text, reason="must be more than 0")
     return size
 
 
@@ -374,12 +395,24 @@ def _flags() -> tuple[_Flag, ...]:
             parse_backend_config,
         ),
         _Flag(
+            "--storage-config",
+            "storage_config",
+            "FILE",
+            "A TOML (or .json) file holding any of the other --storage-* options, keyed by "
+            'the flag name without --storage- (backend = "file", host-memory = "64GiB", '
+            "[backend-config] ...). A flag given on the command line overrides the file's "
+            "value (--storage-backend-config replaces the whole table). Check one with "
+            "`sglang-storage config --check FILE`.",
+            parse_config_file,
+        ),
+        _Flag(
             "--storage-host-memory",
             "storage_host_memory",
             "SIZE",
-            "Host (CPU) memory for the KV host pool of each rank, such as 64GiB or 200GB; "
-            "rounded down to whole GB (10^9 bytes) and passed as --hicache-size. "
-            "Default: SGLang's sizing (--hicache-ratio).",
+            "Host (CPU) memory for the KV host pool of each rank, such as 64GiB or 200GB "
+            f"({SIZE_HELP}). The pool gets exactly this many bytes (also under 1GB); "
+            "SGLang's own --hicache-size is set to it in whole GB (at least 1). The size "
+            "read is printed at start. Default: SGLang's sizing (--hicache-ratio).",
             parse_host_memory,
         ),
         _Flag(
@@ -458,6 +491,7 @@ def _flags() -> tuple[_Flag, ...]:
 STORAGE_DESTS: Final = (
     "storage_backend",
     "storage_backend_config",
+    "storage_config",
     "storage_host_memory",
     "storage_write_policy",
     "storage_prefetch_policy",
@@ -517,9 +551,9 @@ class StorageFlags:
     backend_options: Mapping[str, object] = attrs.field(factory=dict, converter=_frozen_options)
     """The backend's options, as given (JSON shapes; built into its config class to check)."""
     host_memory_bytes: int | None = attrs.field(
-        default=None, validator=optional(int_in_range(low=GB))
+        default=None, validator=optional(int_in_range(low=1))
     )
-    """The KV host pool size per rank, in bytes; at least 1 GB."""
+    """The KV host pool size per rank, in bytes (exact)."""
     write_policy: str | None = attrs.field(
         default=None, validator=optional(one_of(*WRITE_POLICIES))
     )
@@ -590,6 +624,13 @@ def storage_flags_from_args(args: argparse.Namespace) -> StorageFlags | None:
     }
     if not given:
         return None
+    settings = given.pop("storage_config", None)
+    if isinstance(settings, StorageSettings):
+        # The file's values under the command line's.
+        from_file: dict[str, Any] = {f"storage_{k}": v for k, v in settings.given().items()}
+        given = from_file | given
+        if isinstance(given.get("storage_managers"), list):
+            given["storage_managers"] = tuple(given["storage_managers"])
     backend = given.get("storage_backend")
     if backend is None:
         names = ", ".join("--" + dest.replace("_", "-") for dest in given)
@@ -634,6 +675,8 @@ def extra_config(flags: StorageFlags) -> dict[str, object]:
     }
     if flags.load_policy is not None:
         config["storage_load_policy"] = flags.load_policy
+    if flags.host_memory_bytes is not None:
+        config[HOST_POOL_BYTES_KEY] = flags.host_memory_bytes
     if flags.log_level is not None:
         config["storage_log_level"] = flags.log_level
     prefetch = {
@@ -653,12 +696,37 @@ def hicache_settings(flags: StorageFlags) -> dict[str, object]:
         "hicache_storage_backend_extra_config": json.dumps(extra_config(flags), sort_keys=True),
     }
     if flags.host_memory_bytes is not None:
-        settings["hicache_size"] = flags.host_memory_bytes // GB
+        # SGLang's view in whole GB (0 would mean "use --hicache-ratio"); our host pool
+        # takes the exact bytes from the extra config (host_pool_size).
+        settings["hicache_size"] = max(1, flags.host_memory_bytes // GB)
     if flags.write_policy is not None:
         settings["hicache_write_policy"] = flags.write_policy
     if flags.prefetch_policy is not None:
         settings["hicache_storage_prefetch_policy"] = flags.prefetch_policy
     return settings
+
+
+def host_pool_size(server_args: object) -> float | None:
+    """The KV host pool size ``--storage-host-memory`` set, as SGLang's ``host_size`` (GB).
+
+    SGLang's host pools take ``host_size`` in GB and hold
+    ``int(host_size * 1e9 // bytes_per_token)`` tokens; the value returned is the exact
+    byte count over 10^9, nudged up where floating point would land below it, so the pool
+    holds exactly ``bytes // bytes_per_token`` tokens. ``None`` when the flag was not
+    given (SGLang's own ``hicache_size`` / ratio applies).
+    """
+    raw = getattr(server_args, "hicache_storage_backend_extra_config", None)
+    try:
+        extra = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        return None
+    exact = extra.get(HOST_POOL_BYTES_KEY) if isinstance(extra, Mapping) else None
+    if not isinstance(exact, int) or isinstance(exact, bool) or exact <= 0:
+        return None
+    size = exact / GB
+    while size * 1e9 < exact:
+        size = math.nextafter(size, math.inf)
+    return size
 
 
 # (our flag, the flag it conflicts with, the ServerArgs fields that flag sets, why)
@@ -776,4 +844,10 @@ def apply_storage_args(
         setattr(translated, dest, None)
     for field, value in hicache_settings(flags).items():
         setattr(translated, field, value)
+    if parser is not None and flags.host_memory_bytes is not None:
+        # Echoed once, on the command line's path: 10GB and 10GiB differ by 7%.
+        sys.stderr.write(
+            "sglang_storage: --storage-host-memory is "
+            f"{describe_bytes(flags.host_memory_bytes)} per rank\n"
+        )
     return translated

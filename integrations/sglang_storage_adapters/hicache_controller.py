@@ -78,6 +78,7 @@ from sglang_storage.transfer import (
 from sglang_storage.transfer.device_kv import DeviceKV
 from sglang_storage_adapters import require_supported_sglang
 from sglang_storage_adapters.device_checks import check_device_pools
+from sglang_storage_adapters.flags import host_pool_size
 from sglang_storage_adapters.hicache_storage import HiCacheBackend
 from sglang_storage_adapters.ranks import rank_sync
 from sglang_storage_adapters.runtime import runtime_settings
@@ -1023,7 +1024,7 @@ def build_host_pool(kv_pool: Any, page_size: int, *, host_size: float | None = N
         ConfigError: ``kv_pool`` is not a plain MHA/MLA pool, or the layout is not ours.
         CapacityError: the host cannot hold the pool.
     """
-    from sglang.srt.runtime_context import get_memory
+    from sglang.srt.runtime_context import get_memory, get_server_args
 
     cls: Any = _host_pool_class(kv_pool)
     if cls is None:
@@ -1049,6 +1050,11 @@ def build_host_pool(kv_pool: Any, page_size: int, *, host_size: float | None = N
         "pool_label": "kv",
     }
     info = kv_pool.get_device_pool_infos()[0].buffer_info
+    if host_size is None:  # --storage-host-memory exactly (SGLang's hicache_size is whole GB)
+        try:
+            host_size = host_pool_size(get_server_args())
+        except ValueError:  # no server args published: a pool built on its own
+            host_size = None
     size = memory.hicache_size if host_size is None else host_size
     if cls is StorageMLAHostPool:
         common.update(

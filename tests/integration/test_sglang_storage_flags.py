@@ -31,9 +31,11 @@ from sglang_storage_adapters.flags import (
     apply_storage_args,
     extra_config,
     hicache_settings,
+    host_pool_size,
     parse_backend_config,
     parse_host_memory,
     parse_managers,
+    storage_flags_from_args,
 )
 
 from sglang_storage.errors import ConfigError
@@ -109,11 +111,65 @@ def test_backend_config_rejects_a_toml_value_json_cannot_carry(tmp_path: Path) -
     assert "JSON cannot carry" in str(_error(lambda: parse_backend_config(f"@{path}")))
 
 
-def test_host_memory_takes_sizes_of_at_least_one_gb() -> None:
+def test_host_memory_is_exact_in_either_unit_system_and_any_case() -> None:
     assert parse_host_memory("64GiB") == 64 * 2**30
+    assert parse_host_memory("10gib") == 10 * 2**30
     assert parse_host_memory("1GB") == 10**9
-    assert "at least 1GB" in str(_error(lambda: parse_host_memory("999MB")))
-    assert "KiB" in str(_error(lambda: parse_host_memory("64 gigs")))  # lists the units
+    assert parse_host_memory("999MB") == 999 * 10**6  # under 1 GB is fine
+    assert parse_host_memory("512MiB") == 2**29
+    assert "must be more than 0" in str(_error(lambda: parse_host_memory("0")))
+    gigs = str(_error(lambda: parse_host_memory("64 gigs")))
+    assert "did you mean 64GB or 64GiB?" in gigs
+    assert "KiB" in gigs  # lists the units
+
+
+def test_host_memory_help_states_both_unit_systems() -> None:
+    parser = argparse.ArgumentParser()
+    add_storage_cli_args(parser)
+    text = " ".join(parser.format_help().split())
+    assert "powers of 1000" in text
+    assert "powers of 1024" in text
+
+
+@pytest.mark.parametrize(
+    ("text", "exact"),
+    [
+        ("512MiB", 2**29),
+        ("10GiB", 10 * 2**30),
+        ("1GB", 10**9),
+        ("3", 3),
+        ("7777777777", 7777777777),
+    ],
+)
+def test_host_pool_gets_the_exact_bytes_and_sglang_whole_gb(text: str, exact: int) -> None:
+    flags = StorageFlags(backend="memory", host_memory_bytes=parse_host_memory(text))
+    settings = hicache_settings(flags)
+    assert settings["hicache_size"] == max(1, exact // 10**9)
+    server_args = argparse.Namespace(**settings)
+    host_size = host_pool_size(server_args)
+    assert host_size is not None
+    # SGLang's own sizing of a host pool from host_size, for several bytes-per-token:
+    # the pool holds exactly exact // bytes_per_token tokens.
+    for per_token in (1, 2, 3, 4096, 131072, 2**29, exact):
+        assert int(host_size * 1e9 // per_token) == exact // per_token
+
+
+def test_host_pool_size_is_none_without_the_flag() -> None:
+    settings = hicache_settings(StorageFlags(backend="memory"))
+    assert host_pool_size(argparse.Namespace(**settings)) is None
+    assert host_pool_size(argparse.Namespace()) is None
+
+
+def test_host_memory_is_echoed_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_storage_cli_args(parser)
+    args = parser.parse_args(["--storage-backend", "memory", "--storage-host-memory", "10GB"])
+    for field, value in SGLANG_DEFAULTS.items():
+        setattr(args, field, value)
+    apply_storage_args(args, parser)
+    assert "--storage-host-memory is 10000000000 bytes (9.31 GiB) per rank" in (
+        capsys.readouterr().err
+    )
 
 
 def test_managers_accept_the_served_ones_and_name_the_ones_not_there_yet() -> None:
@@ -159,8 +215,8 @@ def test_flags_reject_unknown_backends_and_misplaced_values() -> None:
     unknown = _error(lambda: StorageFlags(backend="nope"))
     assert unknown.field == "--storage-backend"
     assert "memory" in (unknown.allowed or "")
-    assert "must be >= 1000000000" in str(
-        _error(lambda: StorageFlags(backend="memory", host_memory_bytes=10))
+    assert "must be >= 1" in str(
+        _error(lambda: StorageFlags(backend="memory", host_memory_bytes=0))
     )
     timeouts = _error(
         lambda: StorageFlags(
@@ -192,6 +248,7 @@ def test_translation_is_sglang_s_dynamic_backend_with_our_adapter(tmp_path: Path
         "storage_backend": "file",
         "storage_options": {"root": str(tmp_path), "capacity_bytes": "500GiB"},
         "storage_managers": list(AVAILABLE_MANAGERS),
+        "storage_host_pool_bytes": 64 * 2**30,
         "prefetch_threshold": 128,
         "prefetch_timeout_base": 2.0,
         "prefetch_timeout_per_ki_token": 0.5,
@@ -407,6 +464,7 @@ def test_server_args_from_storage_flags(tmp_path: Path) -> None:
         "storage_backend": "file",
         "storage_options": {"root": str(tmp_path), "capacity_bytes": "10GiB"},
         "storage_managers": ["kv"],
+        "storage_host_pool_bytes": 16 * 10**9,
     }
 
 
@@ -416,7 +474,7 @@ def test_server_args_from_storage_flags(tmp_path: Path) -> None:
     [
         (["--storage-backend", "nope"], "argument --storage-backend: is not a known"),
         (["--storage-write-policy", "sometimes"], "argument --storage-write-policy: invalid"),
-        (["--storage-host-memory", "12MB"], "argument --storage-host-memory: must be at least"),
+        (["--storage-host-memory", "0"], "argument --storage-host-memory: must be more than 0"),
         (["--storage-managers", "kv,weights"], "not available yet in this release"),
         (["--storage-prefetch-threshold", "-1"], "argument --storage-prefetch-threshold: must"),
         (["--storage-backend-config", "{"], "argument --storage-backend-config: is not valid"),
@@ -443,3 +501,121 @@ def test_help_lists_the_storage_group() -> None:
     assert "sglang_storage (--storage-*)" in text
     for dest in STORAGE_DESTS:
         assert "--" + dest.replace("_", "-") in text
+
+
+# ------------------------------------------------------------------ --storage-config
+
+CONFIG_TOML = """
+backend = "file"
+host-memory = "512MiB"
+write_policy = "write_back"
+prefetch-policy = "timeout"
+prefetch-threshold = 64
+prefetch-timeout-base = 2
+managers = ["kv", "decode"]
+
+[backend-config]
+root = "{root}"
+capacity_bytes = "1GiB"
+"""
+
+
+def _config_args(tmp_path: Path, text: str, *argv: str, suffix: str = ".toml") -> Any:
+    path = tmp_path / f"storage{suffix}"
+    path.write_text(text)
+    parser = argparse.ArgumentParser()
+    add_storage_cli_args(parser)
+    args = parser.parse_args(["--storage-config", str(path), *argv])
+    for field, value in SGLANG_DEFAULTS.items():
+        setattr(args, field, value)
+    args.file_storage_path = None
+    return args
+
+
+def test_config_file_round_trips_into_the_same_flags_as_the_command_line(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path / "kv")
+    from_file = storage_flags_from_args(_config_args(tmp_path, CONFIG_TOML.format(root=root)))
+    parser = argparse.ArgumentParser()
+    add_storage_cli_args(parser)
+    options = json.dumps({"root": root, "capacity_bytes": "1GiB"})
+    argv = [
+        "--storage-backend", "file", "--storage-backend-config", options,
+        "--storage-host-memory", "512MiB", "--storage-write-policy", "write_back",
+        "--storage-prefetch-policy", "timeout", "--storage-prefetch-threshold", "64",
+        "--storage-prefetch-timeout-base", "2", "--storage-managers", "kv,decode",
+    ]  # fmt: skip
+    from_flags = storage_flags_from_args(parser.parse_args(argv))
+    assert from_file is not None
+    assert from_file == from_flags
+    assert from_file.host_memory_bytes == 2**29
+    assert from_flags is not None
+    assert hicache_settings(from_file) == hicache_settings(from_flags)
+
+
+def test_config_file_as_json(tmp_path: Path) -> None:
+    text = json.dumps({"backend": "memory", "host-memory": 2**20, "managers": "kv"})
+    flags = storage_flags_from_args(_config_args(tmp_path, text, suffix=".json"))
+    assert flags is not None
+    assert (flags.backend, flags.host_memory_bytes, flags.managers) == ("memory", 2**20, ("kv",))
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    root = str(tmp_path / "kv")
+    args = _config_args(
+        tmp_path,
+        CONFIG_TOML.format(root=root),
+        "--storage-write-policy", "write_through",
+        "--storage-backend-config", json.dumps({"root": root}),
+    )  # fmt: skip
+    flags = storage_flags_from_args(args)
+    assert flags is not None
+    assert flags.write_policy == "write_through"
+    assert dict(flags.backend_options) == {"root": root}  # replaced, not merged
+    assert flags.prefetch_threshold == 64  # the file's, where no flag says otherwise
+
+
+def test_config_file_sets_sglang_fields_once(tmp_path: Path) -> None:
+    args = _config_args(tmp_path, 'backend = "memory"\nhost-memory = "2GB"\n')
+    translated = apply_storage_args(args)
+    assert translated.storage_config is None
+    assert translated.hicache_size == 2
+    assert apply_storage_args(translated) is translated
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('backend = "file"\nhostmemory = "1GB"\n', "did you mean 'host-memory'?"),
+        ('backend = "nope"\n', "is not a known sglang_storage backend"),
+        ('backend = "memory"\nhost-memory = "4 gigs"\n', "did you mean 4GB or 4GiB?"),
+        ('backend = "memory"\nwrite-policy = "sometimes"\n', "write-policy"),
+        ('backend = "memory"\nmanagers = ["kv", "records"]\n', "not available yet"),
+        ('backend = "file"\n[backend-config]\nrot = "/x"\n', "did you mean 'rot' -> 'root'?"),
+        ('backend = "memory"\nprefetch-policy = "best_effort"\nprefetch-timeout-base = 1\n',
+         "applies only to the timeout prefetch policy"),
+        ('backend = "memory"\nprefetch-threshold = true\n', "prefetch-threshold"),
+        ("backend = \n", "is not valid TOML"),
+    ],
+)  # fmt: skip
+def test_bad_config_files_are_usage_errors_naming_file_and_key(
+    tmp_path: Path, text: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    add_storage_cli_args(parser)
+    with pytest.raises(SystemExit) as caught:
+        parser.parse_args(["--storage-config", str(path)])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err
+    assert str(path) in err
+
+
+def test_every_storage_flag_has_a_config_file_key() -> None:
+    from sglang_storage.cli.settings import SETTING_KEYS
+
+    flags = {dest.removeprefix("storage_").replace("_", "-") for dest in STORAGE_DESTS}
+    assert flags - {"config"} == set(SETTING_KEYS)

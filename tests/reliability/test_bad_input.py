@@ -287,11 +287,11 @@ CONFIG_CASES: list[Case] = [
         SIZES,
     ),
     Case(
-        "flag-host-memory-small",
-        lambda t: flags.parse_host_memory("1MiB"),
+        "flag-host-memory-zero",
+        lambda t: flags.parse_host_memory("0"),
         ConfigError,
         "--storage-host-memory",
-        "at least 1GB",
+        "must be more than 0",
     ),
     Case(
         "flag-managers-unknown",
