@@ -34,6 +34,7 @@ import enum
 import hashlib
 import importlib.util
 import re
+import shutil
 import sys
 import tomllib
 from collections.abc import Iterable, Sequence
@@ -62,6 +63,7 @@ __all__ = [
     "main",
     "parse_patch",
     "patch_states",
+    "pristine_copy",
     "record_mismatches",
     "revert_patches",
 ]
@@ -446,12 +448,16 @@ def _git_tag_at_head(git_dir: Path) -> str | None:
     return tags[0] if tags else None
 
 
-def record_mismatches(tree: SGLangTree, paths: Iterable[str] | None = None) -> list[str] | None:
+def record_mismatches(
+    tree: SGLangTree, paths: Iterable[str] | None = None, *, files_in: Path | None = None
+) -> list[str] | None:
     """The package files whose bytes differ from the wheel's ``.dist-info/RECORD``.
 
     Args:
         tree: An installed SGLang.
         paths: Files relative to the package directory; ``None`` for every hashed file.
+        files_in: Read the files from this package directory (a copy of ``tree``'s)
+            instead of ``tree``'s own, still checking them against ``tree``'s RECORD.
 
     Returns:
         The differing (or missing) files, relative to the package directory; ``None``
@@ -469,7 +475,7 @@ def record_mismatches(tree: SGLangTree, paths: Iterable[str] | None = None) -> l
                 continue
             if wanted is not None and row[0] not in wanted:
                 continue
-            file = tree.package_dir.parent / row[0]
+            file = (tree.package_dir if files_in is None else files_in) / row[0][len(prefix) :]
             try:
                 digest = hashlib.sha256(file.read_bytes()).digest()
             except OSError:
@@ -478,6 +484,47 @@ def record_mismatches(tree: SGLangTree, paths: Iterable[str] | None = None) -> l
             if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != row[1][7:]:
                 mismatched.append(row[0].removeprefix(prefix))
     return mismatched
+
+
+def pristine_copy(
+    tree: SGLangTree,
+    dest: Path,
+    patches: Sequence[Patch],
+    paths: Iterable[str] | None = None,
+) -> SGLangTree:
+    """A copy of ``tree``'s package at ``dest`` as the wheel ships it, patched or not.
+
+    The files (``paths``, relative to the package directory, or the whole package) are
+    copied, ``patches`` are reverted in the copy where applied, and every copied file the
+    wheel's RECORD hashes is checked against it; ``tree`` itself is only read, so this
+    works whether or not ``make apply-patches`` ran.
+
+    Raises:
+        PatchTargetError: ``tree`` has no RECORD, or a copied file still differs from
+            the wheel after reverting (edited by other means); the copy is left as is.
+        PatchConflictError: a patch fits the copy neither way.
+    """
+    wanted = None if paths is None else list(paths)
+    if wanted is None:
+        shutil.copytree(tree.package_dir, dest, symlinks=True)
+    else:
+        for path in wanted:
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(tree.package_dir / path, dest / path)
+    copy = locate_sglang(dest)
+    revert_patches(copy, patches)
+    mismatched = record_mismatches(tree, wanted, files_in=dest)
+    if mismatched is None:
+        raise PatchTargetError(
+            target=tree.package_dir, reason="has no .dist-info/RECORD to check a copy against"
+        )
+    if mismatched:
+        raise PatchTargetError(
+            target=dest,
+            reason=f"still differs from the SGLang {tree.version} wheel (RECORD sha256) after "
+            f"reverting the patches, in {', '.join(mismatched[:5])}",
+        )
+    return copy
 
 
 # ---------------------------------------------------------------------------- applying

@@ -52,6 +52,7 @@ from sglang_storage_adapters.patching import (
     apply_patches,
     load_patches,
     locate_sglang,
+    pristine_copy,
     revert_patches,
 )
 
@@ -603,13 +604,11 @@ def test_patch_0003_wires_install_into_every_mm_encoder(tmp_path: Path) -> None:
         "from sglang_storage_adapters.embedding import install",
         "install()",
     ]
-    installed = locate_sglang()
     package = tmp_path / "sglang"
-    for name in ("__init__.py", "_version.py", "version.py", target):
-        (package / name).parent.mkdir(parents=True, exist_ok=True)
-        (package / name).write_bytes((installed.package_dir / name).read_bytes())
+    # As the wheel ships it, also after `make apply-patches` patched the venv's copy.
+    names = ("__init__.py", "_version.py", "version.py", target)
+    tree = pristine_copy(locate_sglang(), package, [patch], names)
     pristine = (package / target).read_bytes()
-    tree = locate_sglang(package)
     apply_patches(tree, [patch])
     text = (package / target).read_text()
     compile(text, target, "exec")

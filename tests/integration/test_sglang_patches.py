@@ -1,8 +1,9 @@
 """``patches/sglang-0.5.23`` and the applier (``make apply-patches`` / ``revert-patches``).
 
-Everything works on copies in temporary directories; the venv's SGLang is only read.
-Its files are first checked against the wheel's ``.dist-info/RECORD`` (sha256), so the
-copies are pristine copies of the pinned wheel:
+Everything works on copies in temporary directories; the venv's SGLang is only read, and
+it may be patched (``make apply-patches && make test``): each copy has the patches
+reverted and is then checked against the wheel's ``.dist-info/RECORD`` (sha256)
+(``pristine_copy``), so the copies are pristine copies of the pinned wheel:
 
 - most tests use a small copy (the package's top files and ``srt/server_args.py``, the
   only file the patches touch);
@@ -35,6 +36,7 @@ from sglang_storage_adapters.patching import (
     locate_sglang,
     main,
     patch_states,
+    pristine_copy,
     record_mismatches,
     revert_patches,
 )
@@ -53,30 +55,45 @@ QUIET_ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 
 @pytest.fixture(scope="module")
 def installed() -> SGLangTree:
-    """The venv's SGLang, checked to be byte-identical to the pinned wheel."""
+    """The venv's SGLang, patched or not (only read)."""
     tree = locate_sglang()
-    mismatched = record_mismatches(tree)
-    assert mismatched is not None, f"{tree.package_dir} has no .dist-info/RECORD to check"
-    if mismatched:
-        pytest.fail(
-            f"the venv's SGLang at {tree.package_dir} differs from the {tree.version} wheel "
-            f"(RECORD sha256) in {', '.join(mismatched[:5])}: it is patched or edited; "
-            "run `make revert-patches` (or reinstall sglang) before these tests"
-        )
+    assert record_mismatches(tree, SMALL_COPY) is not None, (
+        f"{tree.package_dir} has no .dist-info/RECORD to check copies against"
+    )
     return tree
-
-
-def _small_copy(source: Path, package_dir: Path) -> Path:
-    for name in SMALL_COPY:
-        (package_dir / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source / name, package_dir / name)
-    return package_dir
 
 
 @pytest.fixture
 def small(installed: SGLangTree, tmp_path: Path) -> Path:
     """A pristine small copy: ``<tmp>/sglang`` with the files the patches need."""
-    return _small_copy(installed.package_dir, tmp_path / "sglang")
+    patches = load_patches(PATCHES_DIR)
+    return pristine_copy(installed, tmp_path / "sglang", patches, SMALL_COPY).package_dir
+
+
+def test_pristine_copy_of_a_patched_tree_is_the_wheel(small: Path, tmp_path: Path) -> None:
+    """What ``make apply-patches`` leaves in the venv still gives pristine copies."""
+    patches = load_patches(PATCHES_DIR)
+    tree = locate_sglang(small)
+    pristine = _snapshot(small)
+    apply_patches(tree, patches)  # the venv after `make apply-patches`, in small
+    installed = locate_sglang()
+    dist_info = next(installed.package_dir.parent.glob("sglang-*.dist-info"))
+    (small.parent / dist_info.name).mkdir()
+    shutil.copy2(dist_info / "RECORD", small.parent / dist_info.name / "RECORD")
+    copy = pristine_copy(tree, tmp_path / "copy" / "sglang", patches, SMALL_COPY)
+    assert _snapshot(copy.package_dir) == pristine
+    assert patch_states(copy, patches) == [PatchState.NOT_APPLIED] * len(patches)
+
+
+def test_pristine_copy_refuses_a_file_edited_otherwise(small: Path, tmp_path: Path) -> None:
+    installed = locate_sglang()
+    dist_info = next(installed.package_dir.parent.glob("sglang-*.dist-info"))
+    (small.parent / dist_info.name).mkdir()
+    shutil.copy2(dist_info / "RECORD", small.parent / dist_info.name / "RECORD")
+    with (small / "version.py").open("a") as edited:
+        edited.write("# edited\n")
+    with pytest.raises(PatchTargetError, match=r"version\.py"):
+        pristine_copy(locate_sglang(small), tmp_path / "copy" / "sglang", [], SMALL_COPY)
 
 
 def _snapshot(root: Path) -> dict[str, str]:
@@ -219,7 +236,10 @@ def test_a_directory_that_is_not_sglang_is_refused(tmp_path: Path) -> None:
 def test_a_git_checkout_works_and_its_version_can_come_from_the_tag(
     installed: SGLangTree, tmp_path: Path
 ) -> None:
-    package_dir = _small_copy(installed.package_dir, tmp_path / "python" / "sglang")
+    patches = load_patches(PATCHES_DIR)
+    package_dir = pristine_copy(
+        installed, tmp_path / "python" / "sglang", patches, SMALL_COPY
+    ).package_dir
     tree = locate_sglang(tmp_path)
     assert (tree.package_dir, tree.kind) == (package_dir, "git checkout")
 
@@ -275,11 +295,15 @@ def test_make_targets_patch_sglang_dir(small: Path) -> None:
 
 
 def test_status_of_the_venv_is_read_only(installed: SGLangTree) -> None:
+    before = {name: (installed.package_dir / name).read_bytes() for name in PATCHED_FILES}
+    states = patch_states(installed, load_patches(PATCHES_DIR))  # patched or not
     result = _cli("status", "--patches-dir", str(PATCHES_DIR))
     assert result.returncode == 0, result.stderr
     assert f"SGLang {SUPPORTED_SGLANG_VERSION} at {installed.package_dir}" in result.stdout
-    assert "not applied" in result.stdout
+    applied = result.stdout.count(" applied") - result.stdout.count("not applied")
+    assert applied == states.count(PatchState.APPLIED)
     assert main(["status", "--patches-dir", str(PATCHES_DIR)]) == 0
+    assert {name: (installed.package_dir / name).read_bytes() for name in PATCHED_FILES} == before
 
 
 # ---------------------------------------------------------------------------- the patched server
@@ -341,9 +365,9 @@ def test_patched_copy_serves_the_storage_flags(installed: SGLangTree, tmp_path: 
     """Whole package: apply, --help, ServerArgs, revert, byte-identical."""
     site = tmp_path / "site"
     copy = site / "sglang"
-    shutil.copytree(installed.package_dir, copy, symlinks=True)  # with __pycache__: fast imports
-    pristine = _snapshot(copy)
     patches = load_patches(PATCHES_DIR)
+    pristine_copy(installed, copy, patches)  # with __pycache__: fast imports
+    pristine = _snapshot(copy)
     tree = locate_sglang(copy)
     apply_patches(tree, patches)
 
