@@ -56,3 +56,55 @@ def test_each_block_is_an_excerpt_of_the_file_it_names(block: str) -> None:
         found = find_part(part, lines, position)
         assert found is not None, f"{first}: not found in order in the file:\n" + "\n".join(part)
         position = found
+
+
+def _guide() -> str:
+    return " ".join(GUIDE.read_text().split())
+
+
+def test_every_capability_is_explained() -> None:
+    import attrs
+
+    from sglang_storage.storage import Capabilities
+
+    text = _guide()
+    for field in attrs.fields(Capabilities):
+        assert f"`{field.name}" in text, f"the guide does not explain Capabilities.{field.name}"
+
+
+def test_every_capacity_index_call_is_explained() -> None:
+    from sglang_storage.storage.capacity import CapacityIndex
+
+    text = _guide()
+    calls = [name for name in vars(CapacityIndex) if not name.startswith("_")]
+    assert calls
+    for name in calls:
+        assert f"`{name}" in text, f"the guide does not explain CapacityIndex.{name}"
+
+
+def test_the_tests_the_guide_names_exist() -> None:
+    named = re.findall(r"`(tests/[\w/]+\.py)` `(test_\w+)`", _guide())
+    assert len(named) >= 2  # the tests a new data kind must extend
+    for path, test in named:
+        assert f"def {test}(" in (ROOT / path).read_text(), f"{path} has no {test}"
+    text = _guide()
+    for test in re.findall(r"\(`(test_\w+)`\)", text):
+        assert any(f"def {test}(" in p.read_text() for p in (ROOT / "tests").rglob("*.py")), test
+
+
+def test_the_paths_the_guide_names_exist() -> None:
+    paths = set(
+        re.findall(r"`((?:sglang_storage|integrations|tests|patches|docs)/[\w/.-]+)`", _guide())
+    )
+    assert paths
+    for path in sorted(paths):
+        assert (ROOT / path).exists(), f"the guide names {path}, which does not exist"
+
+
+def test_the_guide_says_how_to_wire_a_manager_and_run_the_suite_outside() -> None:
+    text = _guide()
+    assert "Wiring a new manager into SGLang" in text
+    assert "INSTALLERS" in text
+    assert "sglang_storage/cli/settings.py" in text
+    assert "From outside this repository" in text
+    assert "from support.backend_conformance import BackendConformance" in text
