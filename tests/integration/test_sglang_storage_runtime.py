@@ -67,7 +67,7 @@ def _extra(root: Path, **options: object) -> dict[str, object]:
         "interface_v1": 1,
         "storage_backend": "file",
         "storage_options": {"root": str(root), **options},
-        "storage_managers": list(AVAILABLE_MANAGERS),  # the flags' default: all four
+        "storage_managers": list(AVAILABLE_MANAGERS),  # the flags' default: every one
     }
 
 
