@@ -976,6 +976,8 @@ class StorageStackStrategy(assembler.StackStrategy):  # type: ignore[misc]
         from sglang.srt.runtime_context import get_memory
 
         memory = get_memory()
+        # Refused before any host memory is taken (the controller checks again, with its pool).
+        check_device_pools(params.token_to_kv_pool_allocator, params.page_size, owner=_OWNER)
         host_pool = build_host_pool(kvcache, params.page_size)
         layer_mapping = {i: i for i in range(kvcache.layer_num)}
         group = HostPoolGroup(
