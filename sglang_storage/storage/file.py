@@ -18,6 +18,15 @@ prompts); ``file_mode`` shares them with a group (:class:`FileMode`). The mode i
 recorded in the marker, so every later open keeps it; ``scan()`` reports objects whose
 permissions allow more.
 
+**Nothing outside the root.** Another local user who can write to the root may plant
+links and special files there. Below the root (whose own links are resolved once, at
+open) every path is opened anew following no symbolic link, and renames, removals and
+fsyncs go through descriptors of directories reached that way: a link at an object's
+place is moved aside, never read through; a link on the way makes a put that key's error
+and a read a miss; a link in place of ``objects/``, ``tmp/`` or ``quarantine/`` is
+refused at open. A put is ``PRESENT`` only where a whole object that verifies is
+already there; a directory at a key's place is that key's error.
+
 Writes go to a temporary file, optionally fsync'ed, then are renamed into place, so a
 reader (in any process) sees either no object or a whole one, and concurrent writers of
 one key leave one whole object. A read is one ``preadv`` of header and payload straight
@@ -46,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import logging
 import os
 import re
@@ -70,6 +80,7 @@ from sglang_storage.core import (
     PutResult,
 )
 from sglang_storage.errors import (
+    BackendIOError,
     BackendUnavailableError,
     ConfigError,
     CorruptObjectError,
@@ -87,6 +98,7 @@ from sglang_storage.storage.capacity import CapacityIndex
 from sglang_storage.storage.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
+    ObjectHeader,
     check_object,
     checksum,
     decode_header,
@@ -114,6 +126,7 @@ from sglang_storage.storage.fsck import (
 )
 from sglang_storage.storage.posix import (
     IOV_MAX,
+    LINK_ERRNOS,
     TEMP_PREFIX,
     FileMode,
     IOThreads,
@@ -125,9 +138,12 @@ from sglang_storage.storage.posix import (
     file_mode_of,
     io_error,
     make_dirs,
+    make_dirs_beneath,
     marker_fields,
     namespace_of,
     narrowed,
+    open_beneath,
+    open_store_dir,
     process_umask,
     read_marker,
     remove_dead_temp,
@@ -154,8 +170,8 @@ class Durability(enum.Enum):
     DATA = "data"
     """fsync the object's file before renaming it into place."""
     FULL = "full"
-    """fsync the file, rename, then fsync its directory: an acknowledged object survives
-    power loss."""
+    """fsync the file, rename, then fsync its directory and every directory the write
+    created: an acknowledged object survives power loss."""
 
 
 @attrs.frozen(kw_only=True)
@@ -216,14 +232,17 @@ class FileBackend:
     ) -> None:
         self._config = config
         self._root = config.root
-        self._objects_dir = self._root / "objects"
+        # Paths for I/O start at the root with its links resolved once, here: below it,
+        # every path is opened anew with no link followed (``open_beneath``).
+        real = Path(os.path.realpath(self._root))
+        self._objects_dir = real / "objects"
         self._objects_prefix = f"{self._objects_dir}/"
-        self._tmp_dir = self._root / "tmp"
+        self._tmp_dir = real / "tmp"
         self._tmp_prefix = str(self._tmp_dir)
         self._temp_names = TempNames()
         self._umask = process_umask()
         self._set_mode(config.file_mode or FileMode.PRIVATE)
-        self._quarantine_dir = self._root / "quarantine"
+        self._quarantine_dir = real / "quarantine"
         self._index: CapacityIndex[ObjectKey] = CapacityIndex(
             config.capacity_bytes, eviction, owner=f"file backend at {self._root}"
         )
@@ -267,6 +286,7 @@ class FileBackend:
             self._use_marker(read_marker(self._root / MARKER), "writes")
             for directory in (self._objects_dir, self._tmp_dir, self._quarantine_dir):
                 make_dirs(str(directory), self._dir_bits, exact=self._dir_exact)
+            self._check_dirs()
             if self._config.clean_at_open:
                 self._remove_orphans()
         except (ConfigError, BackendUnavailableError):
@@ -275,6 +295,23 @@ class FileBackend:
             raise BackendUnavailableError(
                 backend=self.name, reason=f"cannot use {self._root}: {error}"
             ) from error
+
+    def _check_dirs(self) -> None:
+        """Refuse a link (or a file) in place of one of the store's directories."""
+        root_fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in _STORE_DIRS:
+                try:
+                    os.close(open_store_dir(name, root_fd, what=self.name))
+                except FileNotFoundError:
+                    if not self._config.read_only:
+                        raise  # a read-only open of a store that never held any is fine
+        finally:
+            os.close(root_fd)
+
+    def _store_dir(self, path: Path) -> int:
+        """A descriptor of one of the store's directories, reached through no link."""
+        return open_beneath(None, str(path), os.O_RDONLY | os.O_DIRECTORY)
 
     def _make_root(self) -> None:
         """Create ``root`` (private, or with the configured mode) when it is missing."""
@@ -315,6 +352,7 @@ class FileBackend:
                 self._root, MARKER, owner=type(self._config).__name__, adopt=self._config.adopt
             ):
                 self._use_marker(read_marker(self._root / MARKER), "reads")
+            self._check_dirs()
         except (ConfigError, BackendUnavailableError):
             raise
         except (OSError, ValueError) as error:
@@ -325,25 +363,84 @@ class FileBackend:
     def _remove_orphans(self) -> None:
         """Delete temporary files (ours by name) whose writers are gone."""
         for directory in (self._tmp_dir, self._root):
-            for entry in os.scandir(directory):
-                if temp_writer(entry.name) is not None:
-                    with contextlib.suppress(OSError):
-                        remove_dead_temp(entry.path)
+            dir_fd = (
+                self._store_dir(directory)
+                if directory is self._tmp_dir
+                else os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            )
+            try:
+                for name in os.listdir(dir_fd):
+                    if temp_writer(name) is not None:
+                        with contextlib.suppress(OSError):
+                            remove_dead_temp(name, dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
 
     def _rebuild_index(self) -> None:
-        """Index every object under ``objects/``, oldest first (the eviction order)."""
+        """Index every object under ``objects/``, oldest first (the eviction order).
+
+        An object is sized by its file, which a put writes whole; a file with holes, or
+        larger than the cap, is sized by its header instead: one whose header does not
+        account for its size is quarantined, a valid one larger than the cap is evicted
+        (it can never fit), so neither makes the cap evict the store's other objects.
+        """
         found: list[tuple[float, ObjectKey, int]] = []
+        capacity = self._config.capacity_bytes
         for key, entry in self._scan():
             try:
-                stat = entry.stat()
+                status = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            found.append((stat.st_mtime, key, stat.st_size))
+            size = status.st_size
+            holes = status.st_blocks * 512 < size
+            suspicious = holes or (capacity is not None and size > capacity)
+            if suspicious and not self._sized_by_header(key, status):
+                continue
+            found.append((status.st_mtime, key, size))
         found.sort(key=lambda item: item[0])
         for _, key, size in found:
             self._index.add(key, size)
         if not self._config.read_only:
             self._delete_files(self._index.over_capacity())
+
+    def _sized_by_header(self, key: ObjectKey, status: os.stat_result) -> bool:
+        """Whether the suspicious file of ``key`` may be indexed at its size (see above)."""
+        header = self._stored_header(key)
+        valid = header is not None and header.object_size == status.st_size
+        capacity = self._config.capacity_bytes
+        if valid and (capacity is None or status.st_size <= capacity):
+            return True
+        if self._config.read_only:
+            return False
+        if valid:
+            self._delete_files([key])
+        elif self._quarantine(status.st_ino, key):
+            log.warning(
+                "file backend: %s claims %d bytes its header does not account for; quarantined",
+                key,
+                status.st_size,
+            )
+        return False
+
+    def _stored_header(self, key: ObjectKey) -> ObjectHeader | None:
+        """The header stored for ``key`` when it decodes and names ``key``, else None."""
+        try:
+            fd = open_beneath(None, self._path(key), os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            raw = os.pread(fd, HEADER_SIZE, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        try:
+            header = decode_header(raw, where=str(key))
+        except CorruptObjectError:
+            return None
+        return header if header.key == key else None
 
     def _scan(self) -> Iterator[tuple[ObjectKey, os.DirEntry[str]]]:
         for model in subdirs(self._objects_dir):
@@ -401,6 +498,21 @@ class FileBackend:
         # A str, not a Path: this runs once per key on every operation.
         return f"{self._objects_prefix}{key.namespace.path}/{_fan(key.name)}/{key.name}"
 
+    def _fan_dir(self, key: ObjectKey) -> int | None:
+        """A descriptor of ``key``'s fan directory (no link followed); None when missing.
+
+        Raises:
+            OSError: it cannot be opened; a link on the way is one of ``LINK_ERRNOS``.
+        """
+        try:
+            return open_beneath(
+                None,
+                f"{self._objects_prefix}{key.namespace.path}/{_fan(key.name)}",
+                os.O_PATH | os.O_DIRECTORY,
+            )
+        except FileNotFoundError:
+            return None
+
     def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key is stored (by this or another process)."""
         self._check_open()
@@ -412,7 +524,13 @@ class FileBackend:
         return count_prefix(self._exists(key) for key in keys)
 
     def _exists(self, key: ObjectKey) -> bool:
-        return os.path.exists(self._path(key))
+        # One lstat: a link (or anything but a regular file) at the key's place is no
+        # object. Reads open nothing through a link on the way either, so such a key
+        # can at worst be a miss after this said it exists, never a hit.
+        try:
+            return stat.S_ISREG(os.stat(self._path(key), follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
     def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
         """Read and verify each requested object straight into its buffers."""
@@ -440,28 +558,62 @@ class FileBackend:
         for key in keys:
             self._index.remove(key)
             try:
-                os.unlink(self._path(key))
-                removed += 1
-            except FileNotFoundError:
-                pass
+                removed += self._unlink(key)
             except OSError as error:
                 raise io_error(self.name, f"delete of {key}", error) from error
         self._stats.record_deleted(removed)
 
+    def _unlink(self, key: ObjectKey) -> bool:
+        """Remove ``key``'s file, never through a link; whether there was one.
+
+        A link on the way (planted by someone else) counts as no object.
+
+        Raises:
+            OSError: it could not be removed.
+        """
+        try:
+            dir_fd = self._fan_dir(key)
+        except OSError as error:
+            if error.errno in LINK_ERRNOS:
+                return False
+            raise
+        if dir_fd is None:
+            return False
+        try:
+            os.unlink(key.name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(dir_fd)
+        return True
+
     def clear(self, namespace: Namespace) -> None:
         """Remove every object of ``namespace`` (other namespaces are untouched)."""
         self._check_writable("clear")
-        directory = self._objects_dir / namespace.path
-        doomed = self._temp_names.next(self._tmp_prefix, "clear")
+        parent, _, leaf = namespace.path.rpartition("/")
+        doomed = self._temp_names.name("clear")
+        parent_fd: int | None = None
+        tmp_fd: int | None = None
         try:
-            # Renaming first makes the namespace vanish at once for every process.
-            os.rename(directory, doomed)
+            parent_fd = open_beneath(
+                None, f"{self._objects_prefix}{parent}", os.O_PATH | os.O_DIRECTORY
+            )
+            # Only a real directory is moved: a link there is not this store's.
+            if stat.S_ISDIR(os.stat(leaf, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+                tmp_fd = self._store_dir(self._tmp_dir)
+                # Renaming first makes the namespace vanish at once for every process.
+                os.rename(leaf, doomed, src_dir_fd=parent_fd, dst_dir_fd=tmp_fd)
+                remove_own_tree(doomed, dir_fd=tmp_fd)
         except FileNotFoundError:
             pass
         except OSError as error:
-            raise io_error(self.name, f"clear of {namespace.path}", error) from error
-        else:
-            remove_own_tree(doomed)
+            if error.errno not in LINK_ERRNOS:
+                raise io_error(self.name, f"clear of {namespace.path}", error) from error
+            log.warning("file backend: not clearing %s: a link on its path", namespace.path)
+        finally:
+            for fd in (parent_fd, tmp_fd):
+                if fd is not None:
+                    os.close(fd)
         for key in self._index.keys():  # noqa: SIM118 - a snapshot, not a dict
             if key.namespace == namespace:
                 self._index.remove(key)
@@ -483,6 +635,8 @@ class FileBackend:
     def close(self) -> None:
         """Stop the I/O threads; later calls raise ``BackendUnavailableError``."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
         self._threads.close()
 
@@ -500,18 +654,50 @@ class FileBackend:
         if read.error is not None:
             scrub(request.buffers)
             return GetResult.error_of(key, io_error(self.name, f"read of {key}", read.error))
-        if read.got < 0:
+        if read.link:
+            scrub(request.buffers)
+            read.inode = self._link_at(key)
+            if not read.inode:
+                self._index.remove(key)
+                return GetResult.miss_of(key)  # a link on the way: no object of this store
+        elif read.got < 0:
             self._index.remove(key)
             return GetResult.miss_of(key)
-        reason = "is not a regular file" if read.not_regular else self._verify(read)
+        if read.link or read.not_regular:
+            reason: str | None = "is not a regular file"
+        else:
+            reason = self._verify(read)
         if reason is not None:
             scrub(request.buffers)
-            self._quarantine(read.inode, key, read.path)
+            self._quarantine(read.inode, key)
             corrupt = CorruptObjectError(key=str(key), reason=reason)
             log.warning("file backend: %s; quarantined", corrupt)
             return GetResult.corrupt_of(key, corrupt)
         self._index.touch(key, HEADER_SIZE + request.nbytes)
         return GetResult.hit_of(request)
+
+    def _link_at(self, key: ObjectKey) -> int:
+        """The inode of a symbolic link at ``key``'s own place (0: none, or it dangles).
+
+        Only the link's own entry is looked at, and whether its target exists: nothing is
+        opened through it.
+        """
+        try:
+            dir_fd = self._fan_dir(key)
+        except OSError:
+            return 0
+        if dir_fd is None:
+            return 0
+        try:
+            status = os.stat(key.name, dir_fd=dir_fd, follow_symlinks=False)
+            if not stat.S_ISLNK(status.st_mode):
+                return 0
+            os.stat(key.name, dir_fd=dir_fd)  # a dangling link is a miss, as no file is
+        except OSError:
+            return 0
+        finally:
+            os.close(dir_fd)
+        return status.st_ino
 
     def _verify(self, read: _Read) -> str | None:
         """Why the bytes read must not be delivered, or None."""
@@ -540,22 +726,34 @@ class FileBackend:
             or "header differs from the expected one"
         )
 
-    def _quarantine(self, inode: int, key: ObjectKey, path: str) -> bool:
+    def _quarantine(self, inode: int, key: ObjectKey) -> bool:
         """Move the corrupt file aside, unless another process has replaced it meanwhile.
 
-        Returns whether it was moved (read-only: never).
+        Returns whether it was moved (read-only: never). Nothing is resolved through a
+        link: what is moved is the entry at the key's place itself.
         """
         self._index.remove(key)
         if self._config.read_only:
             return False
+        dir_fd: int | None = None
+        quarantine_fd: int | None = None
         try:
-            if os.stat(path).st_ino != inode:
+            dir_fd = self._fan_dir(key)
+            if (
+                dir_fd is None
+                or os.stat(key.name, dir_fd=dir_fd, follow_symlinks=False).st_ino != inode
+            ):
                 return False
-            target = f"{self._quarantine_dir}/{time.time_ns()}.{os.getpid()}.{key.name}"
-            os.rename(path, target)
+            quarantine_fd = self._store_dir(self._quarantine_dir)
+            target = f"{time.time_ns()}.{os.getpid()}.{key.name}"
+            os.rename(key.name, target, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
+            self._keep_private(quarantine_fd, target)
         except OSError:
             return False
-        self._keep_private(target)
+        finally:
+            for fd in (dir_fd, quarantine_fd):
+                if fd is not None:
+                    os.close(fd)
         with self._lock:
             self._quarantined += 1
         return True
@@ -564,22 +762,60 @@ class FileBackend:
 
     def _put(self, request: PutRequest) -> PutResult:
         key = request.key
-        path = self._path(key)
         size = HEADER_SIZE + request.nbytes
         try:
-            held: int | None = os.stat(path).st_size
+            dir_fd, created = make_dirs_beneath(
+                str(self._objects_dir),
+                f"{key.namespace.path}/{_fan(key.name)}",
+                self._dir_bits,
+                exact=self._dir_exact,
+            )
+        except OSError as error:
+            return PutResult.error_of(key, self._place_error(key, error))
+        try:
+            return self._put_in(request, size, dir_fd, created)
+        finally:
+            os.close(dir_fd)
+            for fd in created:
+                os.close(fd)
+
+    def _place_error(self, key: ObjectKey, error: OSError) -> StorageError:
+        if error.errno in LINK_ERRNOS:
+            return BackendIOError(
+                backend=self.name,
+                operation=f"put of {key}",
+                reason=f"a symbolic link or a file is on its path under {self._objects_dir} "
+                f"({error.strerror}); links are never followed",
+                code=error.errno,
+            )
+        return write_error(self.name, self._root, key, HEADER_SIZE, error)
+
+    def _put_in(self, request: PutRequest, size: int, dir_fd: int, created: list[int]) -> PutResult:
+        key = request.key
+        try:
+            held: os.stat_result | None = os.stat(key.name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             held = None
         except OSError as error:
             return PutResult.error_of(key, io_error(self.name, f"put of {key}", error))
-        if held == size:
-            self._index.touch(key, size=None)
-            return PutResult.present_of(key)
         if held is not None:
-            # Torn, or of another shape: never acknowledged as stored; replaced.
+            if stat.S_ISDIR(held.st_mode):
+                # Not ours to remove, and a rename cannot replace it: this key only.
+                return PutResult.error_of(
+                    key,
+                    BackendIOError(
+                        backend=self.name,
+                        operation=f"put of {key}",
+                        reason=f"a directory is at its path {self._path(key)}",
+                        code=errno.EISDIR,
+                    ),
+                )
+            if stat.S_ISREG(held.st_mode) and held.st_size == size and self._holds(dir_fd, request):
+                self._index.touch(key, size=None)
+                return PutResult.present_of(key)
+            # Torn, of another shape, or no regular file: never acknowledged as stored;
+            # the rename below replaces it.
             self._index.remove(key)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
         try:
             victims = self._index.reserve(size)
         except StorageError as error:
@@ -587,26 +823,62 @@ class FileBackend:
         if victims:
             self._delete_files(victims)
         try:
-            self._write(request, path)
+            self._write(request, dir_fd, created)
         except OSError as error:
             self._index.release(size)
             return PutResult.error_of(key, write_error(self.name, self._root, key, size, error))
         self._index.commit(key, size)
         return PutResult.stored_of(request)
 
-    def _keep_private(self, path: str) -> None:
+    def _holds(self, dir_fd: int, request: PutRequest) -> bool:
+        """Whether the file of ``request``'s key is a whole object of it that verifies.
+
+        Header (key, spec, header checksum) and payload checksum, as a read checks them:
+        only then is a put of the key ``PRESENT``.
+        """
+        key = request.key
+        try:
+            fd = os.open(
+                key.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+            )
+        except OSError:
+            return False
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            header = os.pread(fd, HEADER_SIZE, 0)
+            template = header_template(key.namespace, request.spec)
+            recorded = template.expected_checksum(header, key.name)
+            return recorded is not None and _hash_payload(fd, request.nbytes) == recorded
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def _keep_private(self, dir_fd: int, name: str) -> None:
         """Narrow a regular file moved aside to the store's mode (links are left alone)."""
         with contextlib.suppress(OSError):
-            mode = os.lstat(path).st_mode
-            if stat.S_ISREG(mode) and exposed(mode, self._file_bits):
-                os.chmod(path, narrowed(mode, self._file_bits))
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+            )
+            try:
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISREG(mode) and exposed(mode, self._file_bits):
+                    os.fchmod(fd, narrowed(mode, self._file_bits))
+            finally:
+                os.close(fd)
 
-    def _write(self, request: PutRequest, path: str) -> None:
+    def _write(self, request: PutRequest, dir_fd: int, created: list[int]) -> None:
         durability = self._config.durability
         header = encode_header(request.key, request.spec, checksum(request.buffers))
         # Locked from its creation until it has its final name: the lock says it is live.
         fd, tmp = create_temp(
-            self._temp_names, self._tmp_prefix, "tmp", self._file_bits, exact=self._file_exact
+            self._temp_names,
+            self._tmp_prefix,
+            "tmp",
+            self._file_bits,
+            exact=self._file_exact,
+            nofollow=True,
         )
         try:
             try:
@@ -614,10 +886,12 @@ class FileBackend:
                 if durability is not Durability.NONE:
                     os.fsync(fd)
                 try:
-                    os.replace(tmp, path)
+                    os.replace(tmp, request.key.name, dst_dir_fd=dir_fd)
                 except FileNotFoundError:
-                    make_dirs(os.path.dirname(path), self._dir_bits, exact=self._dir_exact)
-                    os.replace(tmp, path)
+                    # Its directory was removed meanwhile (a clear): make it again.
+                    dir_fd, more = self._redo_dirs(request.key)
+                    created.extend(more)
+                    os.replace(tmp, request.key.name, dst_dir_fd=dir_fd)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -625,12 +899,26 @@ class FileBackend:
         finally:
             os.close(fd)
         if durability is Durability.FULL:
-            _fsync_dir(os.path.dirname(path))
+            # The object's directory, and every directory this put created on its way
+            # (with the parent of the first): each holds a new entry.
+            os.fsync(dir_fd)
+            for directory in created:
+                os.fsync(directory)
+
+    def _redo_dirs(self, key: ObjectKey) -> tuple[int, list[int]]:
+        """``key``'s fan directory made again; closed with the put's other descriptors."""
+        dir_fd, created = make_dirs_beneath(
+            str(self._objects_dir),
+            f"{key.namespace.path}/{_fan(key.name)}",
+            self._dir_bits,
+            exact=self._dir_exact,
+        )
+        return dir_fd, [*created, dir_fd]
 
     def _delete_files(self, keys: Sequence[ObjectKey]) -> None:
         for key in keys:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(key))
+            with contextlib.suppress(OSError):
+                self._unlink(key)
         self._stats.record_evicted(len(keys))
 
     # ------------------------------------------------------------------ threads
@@ -738,7 +1026,13 @@ class FileBackend:
                 reason=f"not an object location of this store ({self._objects_dir})",
             )
         try:
-            inode = os.stat(path).st_ino
+            dir_fd = self._fan_dir(key)
+            if dir_fd is None:
+                raise FileNotFoundError(errno.ENOENT, "no fan directory", path)
+            try:
+                inode = os.stat(key.name, dir_fd=dir_fd, follow_symlinks=False).st_ino
+            finally:
+                os.close(dir_fd)
         except FileNotFoundError:
             self._index.remove(key)
             return RepairResult(report=report, action=RepairAction.GONE, reason="no longer there")
@@ -753,14 +1047,13 @@ class FileBackend:
         if state is ObjectState.WRONG_MODEL:
             self._index.remove(key)
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                return RepairResult(report=report, action=RepairAction.GONE)
+                if not self._unlink(key):
+                    return RepairResult(report=report, action=RepairAction.GONE)
             except OSError as error:
                 return RepairResult(report=report, action=RepairAction.FAILED, reason=str(error))
             self._stats.record_deleted(1)
             return RepairResult(report=report, action=RepairAction.REMOVED)
-        if self._quarantine(inode, key, path):
+        if self._quarantine(inode, key):
             return RepairResult(report=report, action=RepairAction.QUARANTINED)
         if not os.path.exists(path):
             return RepairResult(report=report, action=RepairAction.GONE)
@@ -770,6 +1063,8 @@ class FileBackend:
 
 
 _FAN_NAME: Final = re.compile(r"[0-9a-f]{2}")
+_WHOLE: Final = (ObjectState.OK, ObjectState.WRONG_MODEL)
+_STORE_DIRS: Final = ("objects", "tmp", "quarantine")
 _CHUNK: Final = 1 << 20
 
 
@@ -795,7 +1090,17 @@ def _inspect_file(
         raw = os.pread(fd, HEADER_SIZE, 0)
         check = inspect_header(raw, where=path, expected=key, model=model)
         digest: int | None = None
-        if payloads and check.header is not None and size == check.header.object_size:
+        hole = _first_hole(fd, status)
+        if hole is not None and check.header is not None and check.state in _WHOLE:
+            # A put writes every byte: a hole was never written, and reading it would
+            # hash zeros for as long as the file claims to be.
+            check = HeaderCheck(
+                state=ObjectState.CORRUPT,
+                header=check.header,
+                reason=f"has a hole at byte {hole}: {status.st_blocks * 512} of {size} "
+                "bytes are allocated (never written by a put)",
+            )
+        elif payloads and check.header is not None and size == check.header.object_size:
             digest = _hash_payload(fd, check.header.payload_length)
         check = inspect_object(check, stored_bytes=size, payload_checksum=digest)
     except OSError as error:
@@ -813,6 +1118,17 @@ def _inspect_file(
         identity=inode,
         exposed=open_to_others,
     )
+
+
+def _first_hole(fd: int, status: os.stat_result) -> int | None:
+    """Where the first hole of a file with fewer allocated bytes than its size is."""
+    if status.st_blocks * 512 >= status.st_size:
+        return None
+    try:
+        hole = os.lseek(fd, 0, os.SEEK_HOLE)
+    except OSError:
+        return None
+    return hole if hole < status.st_size else None
 
 
 def _hash_payload(fd: int, length: int) -> int:
@@ -842,6 +1158,7 @@ class _Read:
         "got",
         "header",
         "inode",
+        "link",
         "not_regular",
         "path",
         "request",
@@ -862,20 +1179,26 @@ class _Read:
         self.error: OSError | None = None
         self.not_regular = False
         """The path holds something other than a regular file (a FIFO, a device)."""
+        self.link = False
+        """A symbolic link is on the path: nothing was read through it."""
 
 
 def _read_raw(read: _Read) -> None:
     """Open, read and close ``read.path`` and hash the payload; the GIL is mostly free.
 
-    The open never blocks (a FIFO planted at an object path must not hang a reader); a
-    path that is not a regular file is read as nothing, so it fails verification.
+    The open never blocks (a FIFO planted at an object path must not hang a reader) and
+    follows no link (nothing outside the store is read); a path that is not a regular
+    file is read as nothing, so it fails verification.
     """
     try:
-        fd = os.open(read.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = open_beneath(None, read.path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return
     except OSError as error:
-        read.error = error
+        if error.errno in LINK_ERRNOS:
+            read.link = True
+        else:
+            read.error = error
         return
     try:
         status = os.fstat(fd)
@@ -915,14 +1238,6 @@ def _writev_full(fd: int, views: list[memoryview]) -> None:
     while pending:
         written = os.writev(fd, pending[:IOV_MAX])
         pending = advance(pending, written)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _key_of(namespace: Namespace, name: str) -> ObjectKey | None:

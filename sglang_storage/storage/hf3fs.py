@@ -172,6 +172,7 @@ from sglang_storage.storage.posix import (
     marker_fields,
     namespace_of,
     process_umask,
+    read_control,
     read_marker,
     remove_dead_temp,
     subdirs,
@@ -202,6 +203,8 @@ ClientName = Literal["auto", "usrbio", "posix"]
 on the mount) or ``"auto"`` (usrbio when importable and the root is on 3FS)."""
 
 _CLASS_FILE: Final = "class.json"
+_MAX_DATA_FILES: Final = 65536
+_MAX_WAYS: Final = 64
 _LOCK_FILE: Final = "lock"
 _STRIPES: Final = 64
 _ZERO_HEADER: Final = bytes(HEADER_SIZE)
@@ -235,10 +238,10 @@ class Hf3fsBackendConfig:
     )
     """The size of each data file (rounded down to whole slots; an object larger than
     this gets data files of exactly one slot)."""
-    data_files: int = attrs.field(default=16, validator=int_in_range(1, 65536))
+    data_files: int = attrs.field(default=16, validator=int_in_range(1, _MAX_DATA_FILES))
     """Data files per slot class (a namespace and a slot size): together with
     ``data_file_size`` the most a class can hold."""
-    ways: int = attrs.field(default=8, validator=int_in_range(1, 64))
+    ways: int = attrs.field(default=8, validator=int_in_range(1, _MAX_WAYS))
     """Slots per set: how many places a key may go, and how many headers a lookup reads
     at most."""
     capacity_bytes: int | None = attrs.field(
@@ -848,7 +851,9 @@ class Hf3fsBackend:
         self, namespace: Namespace, directory: Path, slot_size: int
     ) -> _SlotClass | None:
         try:
-            geometry = json.loads((directory / _CLASS_FILE).read_text())
+            # A small regular file only: a FIFO there must not block, nor a huge file fill
+            # memory.
+            geometry = json.loads(read_control(directory / _CLASS_FILE))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as error:
@@ -857,9 +862,13 @@ class Hf3fsBackend:
         fields = ("slot_size", "slots_per_file", "ways", "data_files")
         values = [geometry.get(f) if isinstance(geometry, dict) else None for f in fields]
         numbers = [v for v in values if type(v) is int and v >= 1]
-        if len(numbers) != len(fields) or numbers[0] != slot_size or numbers[1] < numbers[2]:
+        why = _bad_geometry(numbers, slot_size) if len(numbers) == len(fields) else "missing"
+        if why:
             log.warning(
-                "hf3fs backend: ignoring slot class %s: bad geometry %s", directory, geometry
+                "hf3fs backend: ignoring slot class %s: bad geometry %.200r (%s)",
+                directory,
+                geometry,
+                why,
             )
             return None
         _, slots_per_file, ways, data_files = numbers
@@ -1582,6 +1591,27 @@ class Hf3fsBackend:
 
 
 _SCAN_CHUNK: Final = 1 << 20
+
+
+_MAX_DATA_FILE: Final = 1 << 50
+"""The largest data file a class may describe (1 PiB): larger is a crafted class file."""
+
+
+def _bad_geometry(numbers: Sequence[int], slot_size: int) -> str:
+    """Why a class file's ``slot_size, slots_per_file, ways, data_files`` are unusable.
+
+    Bounded as the config bounds them, so that nothing is allocated from a crafted one.
+    """
+    size, slots_per_file, ways, data_files = numbers
+    if size != slot_size:
+        return f"slot_size is not {slot_size}, its directory's"
+    if not 1 <= ways <= _MAX_WAYS or ways > slots_per_file:
+        return f"ways must be 1..{_MAX_WAYS} and at most slots_per_file"
+    if data_files > _MAX_DATA_FILES:
+        return f"data_files must be at most {_MAX_DATA_FILES}"
+    if slots_per_file * size > _MAX_DATA_FILE:
+        return f"data files larger than {_MAX_DATA_FILE} bytes"
+    return ""
 
 
 def _slot_size(nbytes: int) -> int:

@@ -19,11 +19,18 @@ Used by the ``file`` and ``hf3fs`` backends:
   without the ``.sgs-`` prefix is ever removed.
 - Store roots (:func:`claim_root`, :func:`write_marker`): a root carries a marker file;
   a non-empty directory without one is not a store and is refused unless adopted.
+- Staying inside a store (:func:`open_beneath`, :func:`open_store_dir`,
+  :func:`read_control`): paths under a store are opened relative to directory
+  descriptors and never through a symbolic link, so a link planted by another local user
+  cannot make a backend read, write, rename or delete anything outside its root; control
+  files (markers, class files) are read only when they are small regular files, so a
+  FIFO planted in their place never blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import enum
 import errno
@@ -53,7 +60,9 @@ from sglang_storage.errors import (
 )
 
 __all__ = [
+    "CONTROL_LIMIT",
     "IOV_MAX",
+    "LINK_ERRNOS",
     "TEMP_PREFIX",
     "FileMode",
     "IOThreads",
@@ -66,12 +75,16 @@ __all__ = [
     "file_mode_of",
     "io_error",
     "make_dirs",
+    "make_dirs_beneath",
     "marker_fields",
     "namespace_of",
     "narrowed",
+    "open_beneath",
+    "open_store_dir",
     "probe_temp",
     "process_alive",
     "process_umask",
+    "read_control",
     "read_marker",
     "remove_dead_temp",
     "remove_own_tree",
@@ -309,6 +322,176 @@ def make_dirs(path: str, mode: int, *, exact: bool) -> None:
         os.chmod(path, mode)  # noqa: PTH101
 
 
+# ---------------------------------------------------------------------- inside a store
+
+# openat2(2): struct open_how, and the resolve flags that keep a lookup inside its
+# directory (linux/openat2.h). 437 on every architecture with the common syscall table.
+_SYS_OPENAT2: Final = 437
+_RESOLVE_NO_SYMLINKS: Final = 0x04
+_RESOLVE_BENEATH: Final = 0x08
+# Where a link or a way out of the directory stopped a lookup.
+LINK_ERRNOS: Final = frozenset({errno.ELOOP, errno.EXDEV, errno.ENOTDIR})
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (
+        ("flags", ctypes.c_uint64),
+        ("mode", ctypes.c_uint64),
+        ("resolve", ctypes.c_uint64),
+    )
+
+
+def _load_openat2() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    call.argtypes = (ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
+    return call
+
+
+_syscall = _load_openat2()
+_openat2_works: bool | None = None if _syscall is not None else False
+_hows: dict[tuple[int, int, bool], _OpenHow] = {}
+_AT_FDCWD: Final = -100
+
+
+def _openat2(dir_fd: int | None, path: str, flags: int, mode: int) -> int | None:
+    """``openat2`` with no links (beneath ``dir_fd`` if given); None where it is missing."""
+    global _openat2_works
+    if _openat2_works is False or _syscall is None:
+        return None
+    beneath = dir_fd is not None
+    how = _hows.get((flags, mode, beneath))
+    if how is None:
+        resolve = _RESOLVE_NO_SYMLINKS | (_RESOLVE_BENEATH if beneath else 0)
+        how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, resolve)
+        _hows[(flags, mode, beneath)] = how
+    at = _AT_FDCWD if dir_fd is None else dir_fd
+    fd = _syscall(_SYS_OPENAT2, at, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    if fd >= 0:
+        _openat2_works = True
+        return int(fd)
+    code = ctypes.get_errno()
+    if _openat2_works is None and code in (errno.ENOSYS, errno.EPERM):
+        _openat2_works = False  # an old kernel, or a seccomp filter: walk instead
+        return None
+    raise OSError(code, f"{os.strerror(code)}: {path!r}")
+
+
+def open_beneath(dir_fd: int | None, path: str, flags: int, mode: int = 0o600) -> int:
+    """Open ``path`` under directory ``dir_fd`` (None: ``path`` is absolute), no link followed.
+
+    No component may be a symbolic link and, with ``dir_fd``, the lookup never leaves it
+    (``openat2`` with ``RESOLVE_NO_SYMLINKS``, and ``RESOLVE_BENEATH``; where the kernel
+    lacks it, one ``O_NOFOLLOW`` open per component). Every call resolves ``path`` anew.
+
+    Raises:
+        OSError: as ``open``; a link on the way is ``ELOOP`` (or ``ENOTDIR``/``EXDEV``,
+            see :data:`LINK_ERRNOS`).
+    """
+    fd = _openat2(dir_fd, path, flags | os.O_CLOEXEC, mode)
+    if fd is not None:
+        return fd
+    if dir_fd is None:
+        base = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return open_beneath(base, path.lstrip("/"), flags, mode)
+        finally:
+            os.close(base)
+    *parents, last = path.split("/")
+    current = dir_fd
+    try:
+        for part in parents:
+            step = os.open(
+                part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=current
+            )
+            if current != dir_fd:
+                os.close(current)
+            current = step
+        fd = os.open(last, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=current)
+        if flags & os.O_PATH and stat.S_ISLNK(os.fstat(fd).st_mode):
+            os.close(fd)  # O_PATH | O_NOFOLLOW opens a link itself
+            raise OSError(errno.ELOOP, f"{os.strerror(errno.ELOOP)}: {path!r}")
+        return fd
+    finally:
+        if current != dir_fd:
+            os.close(current)
+
+
+def open_store_dir(name: str, dir_fd: int | None, *, what: str) -> int:
+    """A descriptor of store directory ``name`` (in ``dir_fd``), refusing a link there.
+
+    Raises:
+        BackendUnavailableError: ``name`` is a symbolic link or not a directory.
+        OSError: it cannot be opened (``FileNotFoundError`` when it is missing).
+    """
+    try:
+        return os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError as error:
+        if error.errno not in LINK_ERRNOS:
+            raise
+        raise BackendUnavailableError(
+            backend=what,
+            reason=f"{name} in the store is a symbolic link or not a directory "
+            f"({error.strerror}); a store's own directories must be real directories, so "
+            "that nothing outside the root is ever read, written or removed",
+        ) from error
+
+
+def make_dirs_beneath(base: str, path: str, mode: int, *, exact: bool) -> tuple[int, list[int]]:
+    """Open directory ``base/path``, creating what is missing under ``base``, no link followed.
+
+    ``base`` is an absolute path, which must exist.
+
+    Returns its descriptor (``O_RDONLY``) and, when something was created, descriptors of
+    the other directories whose entries changed: the parent of the first one created and
+    each one created before ``path`` itself (to fsync them). The caller closes them all.
+
+    Raises:
+        OSError: as ``mkdir``/``open``; a link on the way is one of :data:`LINK_ERRNOS`.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY
+    with contextlib.suppress(FileNotFoundError):
+        return open_beneath(None, f"{base}/{path}", flags), []
+    changed: list[int] = []
+    dir_fd = open_beneath(None, base, flags)
+    current = dir_fd
+    parts = path.split("/")
+    try:
+        for part in parts:
+            try:
+                os.mkdir(part, mode, dir_fd=current)
+            except FileExistsError:
+                created = False
+            else:
+                created = True
+            step = os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=current)
+            if created:
+                if exact:
+                    os.fchmod(step, mode)
+                if not changed:
+                    changed.append(os.dup(current))
+                if part is not parts[-1]:
+                    changed.append(os.dup(step))
+            if current != dir_fd:
+                os.close(current)
+            current = step
+    except BaseException:
+        if current != dir_fd:
+            os.close(current)
+        for fd in changed:
+            os.close(fd)
+        raise
+    finally:
+        os.close(dir_fd)
+    return current, changed
+
+
 # ---------------------------------------------------------------------- temporary files
 
 
@@ -336,7 +519,11 @@ class TempNames:
 
     def next(self, directory: str | Path, kind: str) -> str:
         """A name in ``directory`` for a temporary file of ``kind`` (``tmp``, ``clear``...)."""
-        return f"{directory}/{TEMP_PREFIX}{os.getpid()}-{self._token}-{next(self._serial)}.{kind}"
+        return f"{directory}/{self.name(kind)}"
+
+    def name(self, kind: str) -> str:
+        """A fresh file name (no directory) for a temporary file of ``kind``."""
+        return f"{TEMP_PREFIX}{os.getpid()}-{self._token}-{next(self._serial)}.{kind}"
 
 
 def temp_writer(name: str) -> int | None:
@@ -366,13 +553,20 @@ def _try_lock(fd: int) -> bool | None:
 
 
 def create_temp(
-    names: TempNames, directory: str | Path, kind: str, mode: int, *, exact: bool
+    names: TempNames,
+    directory: str | Path,
+    kind: str,
+    mode: int,
+    *,
+    exact: bool,
+    dir_fd: int | None = None,
+    nofollow: bool = False,
 ) -> tuple[int, str]:
     """Create a new temporary file in ``directory``, holding its lock while ``fd`` is open.
 
-    Returns its descriptor (open for writing) and path. Keep the descriptor open until
-    the file has been renamed or removed: once it is closed, any process may take the
-    file for an orphan and remove it.
+    Returns its descriptor (open for writing) and path (with ``dir_fd``: its name in that
+    directory). Keep the descriptor open until the file has been renamed or removed: once
+    it is closed, any process may take the file for an orphan and remove it.
 
     Args:
         names: Where its name comes from.
@@ -380,10 +574,16 @@ def create_temp(
         kind: The end of its name (what it is for).
         mode: Its permission bits.
         exact: Also set them with ``fchmod`` (where the umask would narrow them).
+        dir_fd: A descriptor of ``directory``: the file is created relative to it.
+        nofollow: Follow no symbolic link on the way (``directory`` is then absolute).
     """
     for _ in range(_TEMP_TRIES):
-        path = names.next(directory, kind)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        path = names.next(directory, kind) if dir_fd is None else names.name(kind)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if nofollow:
+            fd = open_beneath(None, path, flags, mode)
+        else:
+            fd = os.open(path, flags, mode, dir_fd=dir_fd)
         try:
             held = _try_lock(fd)
             # A checker that opened it between the create and the lock has removed it.
@@ -394,7 +594,7 @@ def create_temp(
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(path)  # noqa: PTH108
+                os.unlink(path, dir_fd=dir_fd)
             raise
         os.close(fd)
     raise OSError(errno.EAGAIN, f"no temporary file in {directory} stayed ours to lock")
@@ -415,10 +615,12 @@ class TempState(enum.Enum):
     """No longer there (or renamed since)."""
 
 
-def _open_temp(path: str) -> int | None:
+def _open_temp(path: str, dir_fd: int | None) -> int | None:
     """``path`` opened to lock, not following links; None if it is no file or directory."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(
+            path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+        )
     except OSError as error:
         if error.errno == errno.ELOOP:
             return None
@@ -430,9 +632,9 @@ def _open_temp(path: str) -> int | None:
     return fd
 
 
-def _look(path: str) -> tuple[TempState, str, int | None]:
+def _look(path: str, dir_fd: int | None = None) -> tuple[TempState, str, int | None]:
     try:
-        fd = _open_temp(path)
+        fd = _open_temp(path, dir_fd)
     except FileNotFoundError:
         return TempState.GONE, "no longer there", None
     except OSError as error:
@@ -464,26 +666,30 @@ def probe_temp(path: str) -> tuple[TempState, str]:
     return state, reason
 
 
-def remove_dead_temp(path: str) -> tuple[TempState, str]:
+def remove_dead_temp(path: str, *, dir_fd: int | None = None) -> tuple[TempState, str]:
     """Remove temporary file (or directory) ``path`` if its writer is gone.
 
     Returns :attr:`TempState.DEAD` once it is removed; in any other state it is kept.
 
+    Args:
+        path: The file (with ``dir_fd``: its name in that directory).
+        dir_fd: A descriptor of the directory it is in.
+
     Raises:
         OSError: it could not be removed.
     """
-    state, reason, fd = _look(path)
+    state, reason, fd = _look(path, dir_fd)
     if fd is None:
         return state, reason
     try:
         # Under its lock no writer renames it: the name still names this file or not.
-        found, held = os.lstat(path), os.fstat(fd)
+        found, held = os.stat(path, dir_fd=dir_fd, follow_symlinks=False), os.fstat(fd)
         if (found.st_ino, found.st_dev) != (held.st_ino, held.st_dev):
             return TempState.GONE, "renamed since it was looked at"
         if stat.S_ISDIR(held.st_mode):
-            shutil.rmtree(path)
+            shutil.rmtree(path, dir_fd=dir_fd)
         else:
-            os.unlink(path)  # noqa: PTH108
+            os.unlink(path, dir_fd=dir_fd)
     except FileNotFoundError:
         return TempState.GONE, "no longer there"
     finally:
@@ -491,18 +697,21 @@ def remove_dead_temp(path: str) -> tuple[TempState, str]:
     return TempState.DEAD, reason
 
 
-def remove_own_tree(path: str) -> None:
+def remove_own_tree(path: str, *, dir_fd: int | None = None) -> None:
     """Remove this process's temporary directory ``path``, holding its lock meanwhile.
 
-    Failures are ignored: what is left is an orphan any later open removes.
+    Links in it are removed, never followed. Failures are ignored: what is left is an
+    orphan any later open removes.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(
+            path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
+        )
     except OSError:
         return
     try:
         if _try_lock(fd) is not False:  # held elsewhere: that process is removing it
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True, dir_fd=dir_fd)
     except OSError:
         pass
     finally:
@@ -512,14 +721,45 @@ def remove_own_tree(path: str) -> None:
 # ---------------------------------------------------------------------- store roots
 
 
+CONTROL_LIMIT: Final = 1 << 16
+"""The most bytes a control file (a store marker, an hf3fs class file) may hold."""
+
+
+def read_control(
+    path: Path | str, *, limit: int = CONTROL_LIMIT, dir_fd: int | None = None
+) -> bytes:
+    """The content of control file ``path``: a regular file of at most ``limit`` bytes.
+
+    Opened without blocking and without following a link in its place, so a FIFO, device
+    or link planted there is refused at once instead of hanging the caller.
+
+    Raises:
+        OSError: it cannot be opened or read.
+        ValueError: it is not a regular file, or holds more than ``limit`` bytes.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if status.st_size > limit:
+            raise ValueError(f"{path} holds {status.st_size} bytes, more than {limit}")
+        data = os.pread(fd, limit + 1, 0)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{path} holds more than {limit} bytes")
+    return data
+
+
 def read_marker(path: Path) -> dict[str, object]:
     """The fields of a store marker file (none when it holds no JSON object).
 
     Raises:
         OSError: it cannot be read.
-        ValueError: it is not JSON.
+        ValueError: it is not a small regular file of JSON (a FIFO is refused, not read).
     """
-    content = json.loads(path.read_text())
+    content = json.loads(read_control(path))
     return dict(content) if isinstance(content, dict) else {}
 
 
