@@ -43,12 +43,15 @@ import bisect
 import collections
 import ctypes
 import enum
+import hashlib
 import ipaddress
 import logging
 import os
 import re
 import socket
+import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final
@@ -221,8 +224,9 @@ class MooncakeBackendConfig:
     connect_timeout_s: float = attrs.field(
         default=10.0, validator=number_in_range(0, 600, low_exclusive=True)
     )
-    """How long opening waits for the master (and an HTTP metadata server) to accept a
-    connection; Mooncake's own set-up would wait about 90 s for an absent master."""
+    """How long opening waits for the master (and an HTTP metadata server) to answer a
+    request; Mooncake's own set-up would wait about 90 s for an absent master and minutes
+    for one that accepts connections but does not answer (stopped or hung)."""
     transfer: MooncakeTransfer = attrs.field(
         default=MooncakeTransfer.AUTO, validator=instance_of(MooncakeTransfer)
     )
@@ -269,20 +273,105 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _probe(address: str, what: str, config: MooncakeBackendConfig) -> None:
-    """Raise unless something accepts a TCP connection at ``address`` in time."""
+# The master's RPC framing (yalantinglibs coro_rpc): a 20-byte request header (magic,
+# version, serialize type, message type, sequence number, function id, body and
+# attachment lengths) and a 16-byte response header (magic, version, error code, message
+# type, sequence number, lengths). A function's id is the first four bytes of the MD5 of
+# its qualified name, big-endian.
+_RPC_MAGIC: Final = 21
+_RPC_REQUEST: Final = struct.Struct("<BBBBIIII")
+_RPC_RESPONSE: Final = struct.Struct("<BBBBIII")
+_RPC_SEQ: Final = 0x5C5C
+_SERVICE_READY: Final = int.from_bytes(
+    hashlib.md5(b"mooncake::WrappedMasterService::ServiceReady", usedforsecurity=False).digest()[
+        :4
+    ],
+    "big",
+)
+
+
+def _remaining(deadline: float, address: str, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise BackendUnavailableError(
+            backend="mooncake",
+            reason=f"the Mooncake {what} at {address} did not answer within "
+            "connect_timeout_s; check that it runs (and is not stopped) and is reachable",
+        )
+    return left
+
+
+def _ask(address: str, what: str, request: bytes, wanted: int, deadline: float) -> bytes:
+    """Send ``request`` to ``address`` and read ``wanted`` bytes back, by ``deadline``.
+
+    Raises:
+        BackendUnavailableError: no connection, no (or a short) answer in time.
+    """
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection(
-            (host.strip("[]"), int(port)), timeout=config.connect_timeout_s
-        ):
-            return
+            (host.strip("[]"), int(port)), timeout=_remaining(deadline, address, what)
+        ) as sock:
+            sock.sendall(request)
+            answer = b""
+            while len(answer) < wanted:
+                sock.settimeout(_remaining(deadline, address, what))
+                piece = sock.recv(wanted - len(answer))
+                if not piece:
+                    break
+                answer += piece
+    except TimeoutError as error:
+        raise BackendUnavailableError(
+            backend="mooncake",
+            reason=f"the Mooncake {what} at {address} accepted a connection but did not "
+            "answer a request within connect_timeout_s (hung, stopped, or not a Mooncake "
+            "service); check it, or fix the address",
+        ) from error
     except OSError as error:
         raise BackendUnavailableError(
             backend="mooncake",
             reason=f"the Mooncake {what} at {address} does not accept connections "
             f"({error}); start it (mooncake_master) or fix the address",
         ) from error
+    return answer
+
+
+def _probe_master(address: str, deadline: float) -> None:
+    """Raise unless the master at ``address`` answers an RPC (``ServiceReady``) in time.
+
+    Any well-formed RPC response counts (also an error code of another Mooncake
+    version): only the master's RPC server can send one, so a listener that accepts
+    connections but never answers (a stopped or hung master) is told apart.
+    """
+    request = _RPC_REQUEST.pack(_RPC_MAGIC, 0, 0, 0, _RPC_SEQ, _SERVICE_READY, 0, 0)
+    answer = _ask(address, "master", request, _RPC_RESPONSE.size, deadline)
+    if len(answer) < _RPC_RESPONSE.size:
+        raise BackendUnavailableError(
+            backend="mooncake",
+            reason=f"the service at {address} closed the connection without an RPC "
+            "answer: it is no Mooncake master (master_address names the master's RPC "
+            "port, 50051 by default)",
+        )
+    magic, _, _, _, seq, _, _ = _RPC_RESPONSE.unpack(answer)
+    if magic != _RPC_MAGIC or seq != _RPC_SEQ:
+        raise BackendUnavailableError(
+            backend="mooncake",
+            reason=f"the service at {address} answered with something other than a "
+            "Mooncake master's RPC response: check master_address",
+        )
+
+
+def _probe_http(host_port: str, path: str, deadline: float) -> None:
+    """Raise unless the HTTP metadata server at ``host_port`` answers a request in time."""
+    request = (
+        f"GET {path or '/'}?key=sglang-storage-probe HTTP/1.0\r\nHost: {host_port}\r\n\r\n"
+    ).encode()
+    answer = _ask(host_port, "metadata server", request, 5, deadline)
+    if not answer.startswith(b"HTTP/"):
+        raise BackendUnavailableError(
+            backend="mooncake",
+            reason=f"the metadata server at {host_port} did not answer HTTP: check metadata_server",
+        )
 
 
 class _FreeList:
@@ -396,11 +485,15 @@ class MooncakeBackend:
                 "'sglang-storage[mooncake]' (CUDA) or 'sglang-storage[mooncake-cpu]', and "
                 "the libibverbs1 system package",
             ) from error
-        _probe(config.master_address, "master", config)
-        server = re.fullmatch(r"https?://([^/]+)(/.*)?", config.metadata_server)
+        # Mooncake's own set-up holds the GIL and retries for minutes against a master
+        # that accepts connections but does not answer, so the master must have answered
+        # a real request, within connect_timeout_s for both probes together, first.
+        deadline = time.monotonic() + config.connect_timeout_s
+        _probe_master(config.master_address, deadline)
+        server = re.fullmatch(r"http://([^/]+)(/.*)?", config.metadata_server)
         if server is not None:
             host_port = server[1] if ":" in server[1] else f"{server[1]}:80"
-            _probe(host_port, "metadata server", config)
+            _probe_http(host_port, server[2] or "/", deadline)
         if _is_loopback(config.local_hostname):
             # Otherwise the engine advertises a non-loopback address that a loopback
             # master and peers may not reach.
