@@ -47,7 +47,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from sglang_storage import __version__
 from sglang_storage.core import DataKind, Namespace, ObjectKey, Shard
@@ -354,7 +354,9 @@ def _load_openat2() -> Callable[..., int] | None:
 
 _syscall = _load_openat2()
 _openat2_works: bool | None = None if _syscall is not None else False
-_hows: dict[tuple[int, int, bool], _OpenHow] = {}
+# Each kind of open's struct, and the pointer passed (kept alive by the struct).
+_hows: dict[tuple[int, int, bool], tuple[_OpenHow, Any]] = {}
+_HOW_SIZE: Final = ctypes.sizeof(_OpenHow)
 _AT_FDCWD: Final = -100
 
 
@@ -363,14 +365,13 @@ def _openat2(dir_fd: int | None, path: str, flags: int, mode: int) -> int | None
     global _openat2_works
     if _openat2_works is False or _syscall is None:
         return None
-    beneath = dir_fd is not None
-    how = _hows.get((flags, mode, beneath))
+    how = _hows.get((flags, mode, dir_fd is not None))
     if how is None:
-        resolve = _RESOLVE_NO_SYMLINKS | (_RESOLVE_BENEATH if beneath else 0)
-        how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, resolve)
-        _hows[(flags, mode, beneath)] = how
+        resolve = _RESOLVE_NO_SYMLINKS | (_RESOLVE_BENEATH if dir_fd is not None else 0)
+        struct = _OpenHow(flags, mode if flags & os.O_CREAT else 0, resolve)
+        how = _hows[(flags, mode, dir_fd is not None)] = (struct, ctypes.byref(struct))
     at = _AT_FDCWD if dir_fd is None else dir_fd
-    fd = _syscall(_SYS_OPENAT2, at, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    fd = _syscall(_SYS_OPENAT2, at, path.encode(), how[1], _HOW_SIZE)
     if fd >= 0:
         _openat2_works = True
         return int(fd)
@@ -446,50 +447,50 @@ def open_store_dir(name: str, dir_fd: int | None, *, what: str) -> int:
 def make_dirs_beneath(base: str, path: str, mode: int, *, exact: bool) -> tuple[int, list[int]]:
     """Open directory ``base/path``, creating what is missing under ``base``, no link followed.
 
-    ``base`` is an absolute path, which must exist.
-
-    Returns its descriptor (``O_RDONLY``) and, when something was created, descriptors of
-    the other directories whose entries changed: the parent of the first one created and
-    each one created before ``path`` itself (to fsync them). The caller closes them all.
+    ``base`` is an absolute path, which must exist. Returns the directory's descriptor
+    (``O_RDONLY``) and descriptors of the directories that gained an entry, the parent
+    of each directory created (to fsync them). The caller closes them all.
 
     Raises:
         OSError: as ``mkdir``/``open``; a link on the way is one of :data:`LINK_ERRNOS`.
     """
-    flags = os.O_RDONLY | os.O_DIRECTORY
-    with contextlib.suppress(FileNotFoundError):
-        return open_beneath(None, f"{base}/{path}", flags), []
     changed: list[int] = []
-    dir_fd = open_beneath(None, base, flags)
-    current = dir_fd
-    parts = path.split("/")
     try:
-        for part in parts:
-            try:
-                os.mkdir(part, mode, dir_fd=current)
-            except FileExistsError:
-                created = False
-            else:
-                created = True
-            step = os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=current)
-            if created:
-                if exact:
-                    os.fchmod(step, mode)
-                if not changed:
-                    changed.append(os.dup(current))
-                if part is not parts[-1]:
-                    changed.append(os.dup(step))
-            if current != dir_fd:
-                os.close(current)
-            current = step
+        return _open_or_make(base, path, mode, exact, changed), changed
     except BaseException:
-        if current != dir_fd:
-            os.close(current)
         for fd in changed:
             os.close(fd)
         raise
+
+
+def _open_or_make(base: str, path: str, mode: int, exact: bool, changed: list[int]) -> int:
+    flags = os.O_RDONLY | os.O_DIRECTORY
+    with contextlib.suppress(FileNotFoundError):
+        return open_beneath(None, f"{base}/{path}", flags)
+    parent, _, leaf = path.rpartition("/")
+    if parent:
+        parent_fd = _open_or_make(base, parent, mode, exact, changed)
+    else:
+        parent_fd = open_beneath(None, base, flags)
+    try:
+        try:
+            os.mkdir(leaf, mode, dir_fd=parent_fd)
+        except FileExistsError:
+            created = False
+        else:
+            created = True
+        fd = os.open(leaf, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        if created:
+            try:
+                if exact:
+                    os.fchmod(fd, mode)
+                changed.append(os.dup(parent_fd))
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
     finally:
-        os.close(dir_fd)
-    return current, changed
+        os.close(parent_fd)
 
 
 # ---------------------------------------------------------------------- temporary files
