@@ -278,6 +278,32 @@ def render(
     return "\n".join(lines)
 
 
+KEPT_MARK = "<!-- written by hand below: ci/reliability_report.py keeps it -->"
+_GENERATED_HEADINGS = ("## Run", "## Entries that broke the promise")
+
+
+def kept_sections(output: Path) -> str:
+    """The hand-written end of the report at ``output``, to keep on regeneration.
+
+    It starts at :data:`KEPT_MARK` or, in a report that has none yet, at its first
+    second-level heading that this script does not write; empty when there is none.
+    """
+    try:
+        old = output.read_text()
+    except FileNotFoundError:
+        return ""
+    start = old.find(KEPT_MARK)
+    if start < 0:
+        lines = old.splitlines(keepends=True)
+        offset = 0
+        for line in lines:
+            if line.startswith("## ") and not line.startswith(_GENERATED_HEADINGS):
+                return f"\n{KEPT_MARK}\n\n{old[offset:]}"
+            offset += len(line)
+        return ""
+    return "\n" + old[start:]
+
+
 def _row(area: Area) -> str:
     return (
         f"| {area.name} | {area.tests} | {_faults_text(area.faults)} | {area.operations} "
@@ -312,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         areas, broken = collect(ledger_dir)
     text = render(areas, broken, outcome, command)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
+    args.output.write_text(text + kept_sections(args.output))
     clean = bool(areas) and all(area.clean for area in areas.values())
     if not areas:
         sys.stderr.write("reliability_report: no ledger entries: nothing was measured\n")
