@@ -19,6 +19,15 @@ Contract, one line per primitive:
   host page is freed; without, everything is freed now. ``release`` drops a request.
 - ``restore(request_id, token_ids, seed=)`` - read a stored request's tokens back to the
   host (the longest stored prefix); the request is usable once ``poll`` reports it.
+- ``offload_layer(request_id, layer, positions, rows)`` - write one layer's KV of
+  ``positions`` straight to the host (new positions extend the request); per layer, the
+  first write of a position must follow the positions already written on that layer.
+- ``materialize_layer(request_id, layer, positions, window=, out=)`` - one layer's KV of
+  the selected positions into ``out``: those the previous call for this layer left in the
+  caller's per-layer device ``window`` are hits (copied from it), the others are read from
+  the host; the window then holds this selection.
+- ``read_layer_prefix(request_id, layer, count, out=)`` - one layer's KV of the first
+  ``count`` tokens, read from the host (a prefill's whole prefix).
 - ``poll(timeout_s)`` - finished storage work and device copy failures, as
   :data:`SparseEvent` values. Backups and restores go through a
   :class:`~sglang_storage.managers.pageio.HostPageIO`: their host pages stay pinned until
@@ -29,6 +38,13 @@ one token) rather than a ``RecordPool``: the device<->host pipeline moves exactl
 (async streams, layer events, SGLang's transfer kernels), in SGLang's host layouts, and the
 pool hands out the page views a zero-copy storage request needs.
 
+Two ways to drive a request, not mixed: token-wise (``append`` / ``evict`` / ``prefetch``,
+every layer of a token at once through the device pipeline; HiSparse) or layer-wise
+(``offload_layer`` / ``materialize_layer`` / ``read_layer_prefix``, the NPU sparse path:
+every layer written to the host as it is computed, read back per layer with its own top-k;
+MLA pools only, and no device pipeline is needed). A layer-wise request backs up the
+tokens written on every layer; a restored request can be driven either way.
+
 Faults: a failed device->host copy loses the tokens it carried once they leave the device
 (:class:`TokensLost`; prefetching them is a :class:`StateError`, never stale bytes); a
 failed load leaves its tokens non-resident; storage failures are reported, never retried.
@@ -37,6 +53,7 @@ Locking: not thread-safe; one thread drives it. It owns its pipelines' results.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -64,6 +81,7 @@ __all__ = [
     "BackupDone",
     "BackupFailed",
     "EvictResult",
+    "LayerFill",
     "PrefetchResult",
     "Restored",
     "SparseEvent",
@@ -121,6 +139,18 @@ class EvictResult:
 
 
 @attrs.frozen(kw_only=True)
+class LayerFill:
+    """What :meth:`SparseKVManager.materialize_layer` copied into ``out``.
+
+    ``hits``: selected tokens copied from the request's device window (the previous
+    selection of this layer); ``misses``: tokens read from the host.
+    """
+
+    hits: int
+    misses: int
+
+
+@attrs.frozen(kw_only=True)
 class BackupDone:
     """Every token of the finished request is in storage; its host pages are free."""
 
@@ -169,7 +199,10 @@ class _Request:
     device: Positions  # position -> slot in the region, or -1
     host: Positions  # position -> host page, or -1
     lru: EvictionPolicy[int]  # resident positions
+    written: Positions  # layer -> tokens written on the host (layer-wise and restored)
     length: int = 0
+    layered: bool = False  # driven layer-wise (offload_layer)
+    window: Positions | None = None  # [layer, device_slots] -> position in the window, or -1
     storage: PageOp | None = None  # a backup or a restore in flight (its pages pinned)
     restoring: bool = False  # ``storage`` is a restore
     released: bool = False  # dropped while ``storage`` was in flight
@@ -181,7 +214,8 @@ class SparseKVManager:
     Args:
         host: The host pool; ``page_size`` must be 1 (a page is a token).
         device: The pipeline between the device pool (``max_requests * device_slots``
-            tokens, page size 1) and ``host``.
+            tokens, page size 1) and ``host``; None for a manager driven layer-wise only
+            (then ``append``, ``evict`` and ``prefetch`` raise :class:`StateError`).
         config: Slots, limits, storage priority.
         storage: The host<->storage pipeline for backup and restore (optional).
         namespace: Where backed-up tokens are stored (required with ``storage``).
@@ -192,7 +226,7 @@ class SparseKVManager:
         self,
         *,
         host: KVHostPool,
-        device: DeviceHostPipeline,
+        device: DeviceHostPipeline | None = None,
         config: SparseKVConfig,
         storage: StoragePipeline | None = None,
         namespace: Namespace | None = None,
@@ -227,6 +261,7 @@ class SparseKVManager:
             device=np.full(c.max_tokens, -1, dtype=np.int64),
             host=np.full(c.max_tokens, -1, dtype=np.int64),
             lru=self._eviction(),
+            written=np.zeros(self._host.geometry.layer_num, dtype=np.int64),
         )
 
     def append(self, request_id: str, count: int) -> torch.Tensor:
@@ -235,7 +270,7 @@ class SparseKVManager:
         Raises:
             ConfigError: more than ``device_slots`` or past ``max_tokens``.
         """
-        r = self._ready(request_id)
+        r = self._token_wise(request_id, "append")
         c = self._config
         if not 0 < count <= c.device_slots or r.length + count > c.max_tokens:
             reason = f"must be 1..{c.device_slots} and fit {c.max_tokens} tokens in all"
@@ -251,7 +286,7 @@ class SparseKVManager:
 
     def evict(self, request_id: str, positions: Sequence[int] | torch.Tensor) -> EvictResult:
         """Take resident ``positions`` out of the device buffer (others are ignored)."""
-        r = self._ready(request_id)
+        r = self._token_wise(request_id, "evict")
         wanted = self._positions(r, positions, "evict")
         resident = wanted[r.device[wanted] >= 0]
         written = self._drop(r, resident)
@@ -267,8 +302,9 @@ class SparseKVManager:
                 ``device_slots``.
             StateError: a selected token was lost (see :class:`TokensLost`).
         """
-        self._collect(self._device.poll())
-        r = self._ready(request_id)
+        r = self._token_wise(request_id, "prefetch")
+        device = self._pipeline("prefetch")
+        self._collect(device.poll())
         wanted = self._positions(r, positions, "prefetch")
         slots = self._config.device_slots
         if wanted.size > slots or np.unique(wanted).size != wanted.size:
@@ -290,7 +326,7 @@ class SparseKVManager:
         if misses.size:
             free = r.slots.alloc(misses.size)
             try:
-                load = self._device.load(torch.from_numpy(r.host[misses]), free + r.base)
+                load = device.load(torch.from_numpy(r.host[misses]), free + r.base)
             except BaseException:
                 r.slots.free(free)
                 raise
@@ -326,10 +362,15 @@ class SparseKVManager:
         if len(token_ids) != r.length:
             reason = f"must be the request's {r.length} tokens"
             raise _refuse("finish", "token_ids", len(token_ids), reason)
-        self.evict(request_id, self.resident(request_id))
-        self._collect(self._device.drain())  # the put reads what the copies wrote
+        complete = r.length
+        if r.layered:  # only tokens written on every layer are whole
+            complete = min(r.length, int(r.written.min()))
+        else:
+            self.evict(request_id, self.resident(request_id))
+        if self._device is not None:
+            self._collect(self._device.drain())  # the put reads what the copies wrote
         keys = page_hashes(list(token_ids), 1, seed)
-        pages = r.host[: r.length].tolist()
+        pages = r.host[:complete].tolist()
         if min(pages, default=0) < 0:  # lost tokens: only the prefix before them is sound
             del pages[pages.index(-1) :]
         c = self._config
@@ -382,9 +423,147 @@ class SparseKVManager:
             r.storage.cancel()
             r.released = True  # poll frees it, without an event
             return
-        if self._device.in_flight:
+        if self._device is not None and self._device.in_flight:
             self._collect(self._device.drain())  # pinned host pages cannot be freed
         self._forget(r)
+
+    # ------------------------------------------------------------------ layer-wise
+
+    def offload_layer(
+        self,
+        request_id: str,
+        layer: int,
+        positions: Sequence[int] | torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """Write layer ``layer``'s KV of ``positions`` to the host; ``rows[i]`` is ``positions[i]``.
+
+        ``rows`` is ``[n, head_num, head_dim]`` of the pool's dtype, on any device.
+        Positions already written on this layer are overwritten; the others must be the
+        next ones of this layer (no gaps); positions past the request's length extend it.
+
+        Raises:
+            ConfigError: a repeated or out-of-range position, a gap, a wrong row shape or
+                dtype, a layer out of range, or a non-MLA host pool.
+            StateError: the request has tokens in its device buffer (it is driven
+                token-wise) or is busy with a backup or restore.
+            CapacityError: no host pages for the new tokens (nothing changes).
+        """
+        r, view = self._layer_wise(request_id, layer, "offload_layer")
+        if r.slots.free_count != self._config.device_slots:
+            raise StateError(
+                subject=f"sparse KV {request_id!r}",
+                reason="has tokens in its device buffer (driven token-wise): write them "
+                "with append, not offload_layer",
+            )
+        wanted = self._layer_positions(positions, self._config.max_tokens, "offload_layer")
+        done = int(r.written[layer])
+        new = np.sort(wanted[wanted >= done])
+        if not np.array_equal(new, np.arange(done, done + new.size)):
+            reason = f"positions not yet written on layer {layer} must continue at {done}"
+            raise _refuse("offload_layer", "positions", new[:8].tolist(), reason)
+        data = self._layer_rows(rows, wanted.size, "offload_layer", "rows")
+        end = done + new.size
+        if end > r.length:
+            pages = self._host.alloc(end - r.length)
+            r.host[r.length : end] = pages.numpy()
+            r.length = end
+        index = torch.from_numpy(r.host[wanted])
+        view.index_copy_(0, index, data.to("cpu"))
+        r.written[layer] = end
+        r.layered = True
+
+    def materialize_layer(
+        self,
+        request_id: str,
+        layer: int,
+        positions: Sequence[int] | torch.Tensor,
+        *,
+        window: torch.Tensor,
+        out: torch.Tensor,
+    ) -> LayerFill:
+        """Fill ``out[i]`` with layer ``layer``'s KV of ``positions[i]``; see :class:`LayerFill`.
+
+        ``window`` is the request's device window of this layer (``[device_slots,
+        head_num, head_dim]``, the same tensor every call for this request and layer):
+        positions the previous call left there are copied from it, the others from the
+        host; then ``window[i]`` holds ``out[i]`` and the window remembers ``positions``.
+        ``out`` has at least ``len(positions)`` rows, on ``window``'s device; rows past
+        them are left as they are.
+
+        Raises:
+            ConfigError: a repeated position, more than ``device_slots``, a position not
+                written on this layer, or a wrong ``window`` / ``out`` shape or dtype.
+            StateError: a selected token was lost, or the request is busy.
+        """
+        r, view = self._layer_wise(request_id, layer, "materialize_layer")
+        slots = self._config.device_slots
+        wanted = self._layer_positions(positions, int(r.written[layer]), "materialize_layer")
+        if wanted.size > slots:
+            reason = f"at most device_slots ({slots})"
+            raise _refuse("materialize_layer", "positions", wanted.size, reason)
+        self._layer_rows(window, slots, "materialize_layer", "window")
+        n = wanted.size
+        target = self._layer_rows(out, n, "materialize_layer", "out", at_least=True)
+        if r.window is None:
+            r.window = np.full((self._host.geometry.layer_num, slots), -1, dtype=np.int64)
+        held = r.window[layer]
+        filled = np.flatnonzero(held >= 0)
+        order = np.argsort(held[filled], kind="stable")
+        known = held[filled][order]
+        at = np.minimum(np.searchsorted(known, wanted), max(known.size - 1, 0))
+        hit = known[at] == wanted if known.size else np.zeros(n, dtype=bool)
+        misses = wanted[~hit]
+        if misses.size and bool((r.host[misses] < 0).any()):
+            lost = misses[r.host[misses] < 0][:8].tolist()
+            raise StateError(
+                subject=f"sparse KV {request_id!r}", reason=f"tokens {lost} have no host copy"
+            )
+        device = window.device
+        if hit.any():
+            source = torch.from_numpy(filled[order[at[hit]]]).to(device)
+            rows = window.index_select(0, source)
+            target.index_copy_(0, torch.from_numpy(np.flatnonzero(hit)).to(device), rows)
+        if misses.size:
+            pages = torch.from_numpy(r.host[misses])
+            rows = view.index_select(0, pages)
+            miss_rows = torch.from_numpy(np.flatnonzero(~hit)).to(device)
+            target.index_copy_(0, miss_rows, rows.to(device))
+        window.narrow(0, 0, n).copy_(target.narrow(0, 0, n))
+        held[:] = -1
+        held[:n] = wanted
+        return LayerFill(hits=int(hit.sum()), misses=int(misses.size))
+
+    def read_layer_prefix(
+        self, request_id: str, layer: int, count: int, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Layer ``layer``'s KV of the request's first ``count`` tokens, read from the host.
+
+        Returns ``[count, head_num, head_dim]``: ``out`` (any device) filled, or a new
+        host tensor.
+
+        Raises:
+            ConfigError: ``count`` is more than the tokens written on this layer, or
+                ``out`` has the wrong shape or dtype.
+            StateError: one of the tokens was lost, or the request is busy.
+        """
+        r, view = self._layer_wise(request_id, layer, "read_layer_prefix")
+        written = int(r.written[layer])
+        if not 0 <= count <= written:
+            reason = f"must be 0..{written} (the tokens written on layer {layer})"
+            raise _refuse("read_layer_prefix", "count", count, reason)
+        pages = r.host[:count]
+        if bool((pages < 0).any()):
+            lost = np.flatnonzero(pages < 0)[:8].tolist()
+            raise StateError(
+                subject=f"sparse KV {request_id!r}", reason=f"tokens {lost} have no host copy"
+            )
+        rows = view.index_select(0, torch.from_numpy(pages))
+        if out is None:
+            return rows
+        target = self._layer_rows(out, count, "read_layer_prefix", "out")
+        target.copy_(rows)
+        return target
 
     # ------------------------------------------------------------------ completions
 
@@ -395,7 +574,8 @@ class SparseKVManager:
 
     def poll(self, timeout_s: float = 0.0) -> list[SparseEvent]:
         """Collect finished copies and storage work; return what happened, in order."""
-        self._collect(self._device.poll())
+        if self._device is not None:
+            self._collect(self._device.poll())
         if self._storage is not None:
             for handle in self._storage.completions(timeout_s if self._storage_ops else 0.0):
                 request_id = self._storage_ops.pop(handle.op_id, None)
@@ -417,6 +597,73 @@ class SparseKVManager:
             state = "not admitted" if r is None else "busy with a backup or restore"
             raise StateError(subject=f"sparse KV {request_id!r}", reason=state)
         return r
+
+    def _pipeline(self, op: str) -> DeviceHostPipeline:
+        if self._device is None:
+            raise StateError(
+                subject=f"SparseKVManager.{op}",
+                reason="this manager has no device pipeline (it is driven layer-wise)",
+            )
+        return self._device
+
+    def _token_wise(self, request_id: str, op: str) -> _Request:
+        r = self._ready(request_id)
+        self._pipeline(op)
+        if r.layered:
+            raise StateError(
+                subject=f"sparse KV {request_id!r}",
+                reason=f"is driven layer-wise (offload_layer); {op} moves every layer at once",
+            )
+        return r
+
+    def _layer_wise(self, request_id: str, layer: int, op: str) -> tuple[_Request, torch.Tensor]:
+        """The request and the host pool's ``(pages, head_num, head_dim)`` view of ``layer``."""
+        g = self._host.geometry
+        if not g.is_mla:
+            reason = "the layer-wise API serves MLA host pools"
+            raise _refuse(op, "host", g.attention.value, reason)
+        r = self._ready(request_id)
+        view = self._host.layer(layer).k  # ConfigError for a layer out of range
+        return r, view.view(g.num_pages, g.head_num, g.head_dim)
+
+    def _layer_positions(
+        self, positions: Sequence[int] | torch.Tensor, limit: int, op: str
+    ) -> Positions:
+        raw = positions.cpu().numpy() if isinstance(positions, torch.Tensor) else positions
+        wanted = np.asarray(raw, dtype=np.int64).reshape(-1)
+        if wanted.size and (wanted.min() < 0 or wanted.max() >= limit):
+            bad = wanted[(wanted < 0) | (wanted >= limit)][:8].tolist()
+            raise _refuse(op, "positions", bad, f"must be 0..{limit - 1}")
+        if np.unique(wanted).size != wanted.size:
+            raise _refuse(op, "positions", wanted[:8].tolist(), "must be distinct")
+        return wanted
+
+    def _layer_rows(
+        self, rows: torch.Tensor, n: int, op: str, field: str, *, at_least: bool = False
+    ) -> torch.Tensor:
+        """``rows`` as ``[n, head_num, head_dim]`` of the pool's dtype, or a ConfigError.
+
+        Output tensors (``at_least`` or an ``out``) must have that shape; input rows may
+        have any row shape of ``head_num * head_dim`` elements.
+        """
+        g = self._host.geometry
+        shape = (g.head_num, g.head_dim)
+        output = field != "rows"
+        fits = (
+            rows.dtype == g.dtype
+            and rows.dim() >= 1
+            and (rows.shape[0] >= n if at_least else rows.shape[0] == n)
+            and (
+                tuple(rows.shape[1:]) == shape
+                if output
+                else math.prod(rows.shape[1:]) == g.head_num * g.head_dim
+            )
+        )
+        if not fits:
+            got = (tuple(rows.shape), rows.dtype)
+            want = f"{'at least ' if at_least else ''}{n} rows of {shape} {g.dtype}"
+            raise _refuse(op, field, got, f"must be {want}")
+        return rows if output else rows.reshape(rows.shape[0], *shape)
 
     def _positions(
         self, r: _Request, positions: Sequence[int] | torch.Tensor, op: str
@@ -451,7 +698,8 @@ class SparseKVManager:
         if dirty.size:
             pages = self._host.alloc(dirty.size)
             try:
-                handle = self._device.offload(pages, torch.from_numpy(r.device[dirty] + r.base))
+                device = self._pipeline("evict")
+                handle = device.offload(pages, torch.from_numpy(r.device[dirty] + r.base))
             except BaseException:
                 self._host.free(pages)
                 raise
@@ -498,6 +746,7 @@ class SparseKVManager:
             self._host.free(torch.from_numpy(r.host[found : len(oks)]))
             r.host[found : len(oks)] = -1
             r.length = found
+            r.written[:] = found
             self._events.append(Restored(request_id=request_id, tokens=found, requested=len(oks)))
             return
         self._forget(r)
