@@ -38,6 +38,8 @@ INSTALLERS: Final[tuple[str, ...]] = (
     "sglang_storage_adapters.decode:install",
     # HiSparse coordinator: HookRegistry class REPLACE of HiSparseCoordinator.
     "sglang_storage_adapters.sparse:install",
+    # NPU sparse KV: HookRegistry class REPLACE of SparseKVCacheManager, only where it imports.
+    "sglang_storage_adapters.npu_sparse:install",
     # Encoder embedding caches: HookRegistry AROUND on EmbeddingStoreFactory.create_backend,
     # class REPLACE of EmbeddingCacheController and MultiModalStaticCache (+ patch 0003).
     "sglang_storage_adapters.embedding:install",

@@ -58,15 +58,33 @@ __all__ = [
     "load_settings",
 ]
 
-MANAGER_NAMES: Final = ("kv", "decode", "sparse", "embedding", "experts", "records", "weights")
+MANAGER_NAMES: Final = (
+    "kv",
+    "decode",
+    "sparse",
+    "npu-sparse",
+    "embedding",
+    "experts",
+    "records",
+    "weights",
+)
 """Every data-kind manager sglang_storage has or will have, in ``--storage-managers`` order."""
-AVAILABLE_MANAGERS: Final = ("kv", "decode", "sparse", "embedding", "experts", "weights")
+AVAILABLE_MANAGERS: Final = (
+    "kv",
+    "decode",
+    "sparse",
+    "npu-sparse",
+    "embedding",
+    "experts",
+    "weights",
+)
 """The managers the SGLang integration serves in this release: the HiCache KV tiers,
-decode-side request offload, HiSparse token offload, the encoder embedding cache, the
-paged-experts host store and the elastic-EP expert backup. Each takes effect only where
-SGLang builds that component (e.g. ``decode`` under
-``--disaggregation-decode-enable-offload-kvcache``, ``experts`` under
-``--enable-paged-experts``, ``weights`` under elastic EP's expert backup)."""
+decode-side request offload, HiSparse token offload, the NPU sparse KV offload, the
+encoder embedding cache, the paged-experts host store and the elastic-EP expert backup.
+Each takes effect only where SGLang builds that component (e.g. ``decode`` under
+``--disaggregation-decode-enable-offload-kvcache``, ``npu-sparse`` on an Ascend NPU under
+``SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD=1``, ``experts`` under ``--enable-paged-experts``,
+``weights`` under elastic EP's expert backup)."""
 WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back")
 """``--storage-write-policy`` values; SGLang's ``--hicache-write-policy`` choices."""
 PREFETCH_POLICIES: Final = ("best_effort", "wait_complete", "timeout")

@@ -174,7 +174,8 @@ def test_host_memory_is_echoed_at_start(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_managers_accept_the_served_ones_and_name_the_ones_not_there_yet() -> None:
     assert parse_managers(" kv ") == ("kv",)
-    assert parse_managers("kv,decode,sparse,embedding,experts,weights") == AVAILABLE_MANAGERS
+    served = "kv,decode,sparse,npu-sparse,embedding,experts,weights"
+    assert parse_managers(served) == AVAILABLE_MANAGERS
     later = _error(lambda: parse_managers("kv,records"))
     assert "not available yet in this release" in str(later)
     assert later.value == "records"
