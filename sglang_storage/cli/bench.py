@@ -7,6 +7,9 @@ memcpy and disk limits in the same run. ``--compare NAME`` runs a baseline (a pl
 pages, interleaved, and prints the ratio ours / baseline. ``--json`` writes the results
 (:mod:`.bench_report`), ``--report`` a markdown report with PNG charts.
 
+Progress (each phase of each point, with the time elapsed; a bar on a terminal) goes to
+stderr; stdout carries only the tables and the summary line.
+
 Exit status: 0 done; 1 the run could not be done (a backend, baseline or matplotlib is
 unavailable, or a pass failed); 2 a bad argument.
 """
@@ -33,6 +36,7 @@ from sglang_storage.cli.bench_baseline import (
     baseline_names,
 )
 from sglang_storage.cli.bench_report import (
+    Progress,
     json_document,
     machine_facts,
     now_utc,
@@ -70,8 +74,9 @@ Backend micro-benchmarks: put, get (warm and cold) and exists of pages through o
 our backends, over a sweep of page sizes (at the first batch size) and batch sizes (at
 the first page size). The machine's memcpy and disk limits are measured in the same run
 and every result is also printed as a fraction of them. Every number is the median of
---repeats timed passes (time.perf_counter); with --compare, the baseline runs on the
-same pages and its passes are interleaved with ours."""
+--repeats timed passes (time.perf_counter), shown with the slowest and fastest pass;
+with --compare, the baseline runs on the same pages and its passes are interleaved with
+ours. Progress goes to stderr, the results to stdout."""
 
 _EPILOG = """\
 examples:
@@ -82,8 +87,8 @@ examples:
   sglang-storage bench --page-sizes 1MiB,256KiB --batch-sizes 64,8 --concurrency 2
   sglang-storage bench --backend memory --ops put,get --repeats 5 --json out.json
   sglang-storage bench --backend file --backend-config '{"durability": "data"}'
-  sglang-storage bench --compare sglang-file --report docs/bench
-      also write docs/bench/report.md and its PNG charts (needs the 'report' extra)
+  sglang-storage bench --compare sglang-file --report build/bench
+      also write build/bench/report.md and its PNG charts (needs the 'report' extra)
 
 exit status: 0 done; 1 the run could not be done (something unavailable, a pass
 failed); 2 a bad argument."""
@@ -528,24 +533,22 @@ def _measure(args: argparse.Namespace, plan: _Plan) -> int:
             backend = create_backend(settings.backend, options)
             return backend, directory if plan.has_root else None
 
-        notes = _settle(scratch, args.settle)
-        _say(sys.stderr, f"{PROG}: measuring the machine's limits in {scratch}")
-        limits = measure_limits(scratch, settings.limit_bytes, settings.repeats)
-        runner = BenchRunner(
-            settings,
-            scratch,
-            open_ours,
-            plan.baseline,
-        )
-        measurements = []
         points = settings.points()
-        for index, point in enumerate(points, 1):
-            _say(
-                sys.stderr,
-                f"{PROG}: [{index}/{len(points)}] page {format_bytes(point.page_bytes)}, "
-                f"batch {point.batch}",
-            )
-            measurements += runner.run_point(point)
+        # The progress ends before the tables are printed: a bar and stdout often share
+        # one terminal.
+        with Progress(1 + len(points) * len(settings.phases()), PROG) as progress:
+            notes = _settle(scratch, args.settle, progress)
+            progress.step(f"the machine's limits (memcpy, disk write and read) in {scratch}")
+            limits = measure_limits(scratch, settings.limit_bytes, settings.repeats)
+
+            def on_phase(point: Point, phase: str) -> None:
+                page = format_bytes(point.page_bytes)
+                progress.step(f"page {page}, batch {point.batch}: {phase}")
+
+            runner = BenchRunner(settings, scratch, open_ours, plan.baseline, on_phase)
+            measurements = []
+            for point in points:
+                measurements += runner.run_point(point)
         result = BenchResult(
             settings=settings,
             limits=limits,
@@ -560,17 +563,18 @@ def _measure(args: argparse.Namespace, plan: _Plan) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _settle(scratch: Path, limit_s: int) -> list[str]:
+def _settle(scratch: Path, limit_s: int, progress: Progress) -> list[str]:
     """Wait (up to ``limit_s``) until creating a file costs what it does when settled."""
     cost = create_cost_us(scratch)
     waited = 0
     while cost > SLOW_CREATE_US and waited < limit_s:
         if not waited:
-            _say(
-                sys.stderr,
-                f"{PROG}: creating a file takes {cost:.0f} us here (many files were deleted "
-                f"nearby recently); waiting up to {limit_s} s for it to settle",
+            progress.note(
+                f"creating a file takes {cost:.0f} us here (many files were deleted nearby "
+                f"recently); waiting up to {limit_s} s for it to settle"
             )
+        else:
+            progress.note(f"still {cost:.0f} us per file after {waited} s of {limit_s} s")
         step = min(15, limit_s - waited)
         time.sleep(step)
         waited += step

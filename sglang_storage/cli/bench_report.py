@@ -7,20 +7,31 @@
 - :func:`json_document` - the machine-readable results, schema :data:`SCHEMA` version
   :data:`SCHEMA_VERSION`.
 - :func:`write_report` - ``report.md`` plus PNG charts (throughput vs page size and vs batch
-  size for each backend), drawn with matplotlib's Agg backend; :func:`require_matplotlib`
+  size for each backend: bars at the median, whiskers from the slowest to the fastest pass,
+  see :func:`chart_series`), drawn with matplotlib's Agg backend; :func:`require_matplotlib`
   says what to install when it is missing.
+- :class:`Progress` - a long run's steps on stderr (a tqdm bar on a terminal, else one line
+  per step with the time elapsed), used by the command and the ``benchmarks/`` scripts.
+- :func:`goal_verdict` - the neutral line a benchmark prints where a goal exists.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import importlib.metadata
+import math
 import os
 import platform
 import statistics
+import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from types import TracebackType
+from typing import Any, Final, TextIO
+
+import attrs
 
 from sglang_storage.cli.bench_run import BenchResult, Limit, Measurement, Point
 from sglang_storage.errors import BackendUnavailableError
@@ -30,6 +41,10 @@ __all__ = [
     "CHARTS",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "ChartSeries",
+    "Progress",
+    "chart_series",
+    "goal_verdict",
     "json_document",
     "machine_facts",
     "require_matplotlib",
@@ -45,6 +60,113 @@ CHARTS: Final = {
     "batch": "throughput_vs_batch_size.png",
 }
 _MATPLOTLIB_HINT: Final = "pip install 'sglang-storage[report]'"
+
+
+# ---------------------------------------------------------------------- progress
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+class Progress:
+    """A long run's steps, reported on stderr (stdout keeps only the results).
+
+    On a terminal, with tqdm installed (an SGLang dependency), a progress bar; otherwise
+    (a pipe, a log file, no tqdm) one line per step, ``PREFIX: [3/7] WHAT (12.4 s
+    elapsed)``, and a last line with the total time. Use it as a context manager and call
+    :meth:`step` as each step starts; :meth:`note` prints a line without breaking the bar.
+
+    Args:
+        total: How many steps the run has (more are counted without failing).
+        prefix: What runs (``sglang-storage bench``, a script's name).
+        stream: Where to write; default ``sys.stderr`` when the progress is created.
+        bar: Force the bar on or off; default: on when ``stream`` is a terminal.
+    """
+
+    def __init__(
+        self, total: int, prefix: str, *, stream: TextIO | None = None, bar: bool | None = None
+    ) -> None:
+        self._stream = sys.stderr if stream is None else stream
+        self._total = total
+        self._prefix = prefix
+        self._started = 0
+        self._start = time.perf_counter()
+        self._bar: Any = None
+        if _is_terminal(self._stream) if bar is None else bar:
+            try:
+                tqdm: Any = importlib.import_module("tqdm").tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(
+                    total=total,
+                    desc=prefix,
+                    file=self._stream,
+                    dynamic_ncols=True,
+                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+                )
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since the progress was created."""
+        return time.perf_counter() - self._start
+
+    def _line(self, text: str) -> None:
+        self._stream.write(f"{self._prefix}: {text}\n")
+        self._stream.flush()
+
+    def step(self, what: str) -> None:
+        """Step ``what`` starts now (the one before it is done)."""
+        self._started += 1
+        if self._bar is not None:
+            self._bar.update(self._started - 1 - self._bar.n)
+            self._bar.set_postfix_str(what)
+            return
+        total = max(self._total, self._started)
+        self._line(f"[{self._started}/{total}] {what} ({self.elapsed_s:.1f} s elapsed)")
+
+    def note(self, text: str) -> None:
+        """A line between the steps (a wait, a skipped row)."""
+        if self._bar is not None:
+            self._bar.write(f"{self._prefix}: {text}", file=self._stream)
+        else:
+            self._line(text)
+
+    def close(self, *, finished: bool = True) -> None:
+        """End the progress: every step done, or (``finished=False``) stopped by an error."""
+        if self._bar is not None:
+            if finished:
+                self._bar.update(max(self._total, self._started) - self._bar.n)
+            self._bar.close()
+            self._bar = None
+        elif finished:
+            self._line(f"done: {self._started} steps in {self.elapsed_s:.1f} s")
+        else:
+            self._line(f"stopped in step {self._started} after {self.elapsed_s:.1f} s")
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close(finished=kind is None)
+
+
+def goal_verdict(goal: str, measured: str, met: bool | None) -> str:
+    """The line a benchmark prints where a goal exists: ``goal: GOAL; measured: X; met``.
+
+    ``met`` is ``None`` when the goal does not apply to what was measured.
+    """
+    verdict = "does not apply" if met is None else "met" if met else "not met"
+    return f"goal: {goal}; measured: {measured}; {verdict}"
 
 
 # ---------------------------------------------------------------------- machine
@@ -253,6 +375,8 @@ def _limit_json(limit: Limit) -> dict[str, Any]:
         "unit": "GiB/s",
         "bytes": limit.nbytes,
         "median": limit.median,
+        "min": limit.low,
+        "max": limit.high,
         "samples": list(limit.samples),
     }
 
@@ -270,6 +394,8 @@ def _measurement_json(result: BenchResult, m: Measurement) -> dict[str, Any]:
         "pages": m.pages,
         "unit": m.unit,
         "median": m.median,
+        "min": m.low,
+        "max": m.high,
         "samples": list(m.samples),
         "of_memcpy": memcpy,
         "of_disk": disk,
@@ -335,6 +461,46 @@ def require_matplotlib() -> None:
         ) from error
 
 
+@attrs.frozen(kw_only=True)
+class ChartSeries:
+    """One side's bars in one chart panel: the median of each point with its spread."""
+
+    label: str
+    medians: tuple[float, ...]
+    lows: tuple[float, ...]
+    """The slowest pass at each point (NaN where the side has no measurement there)."""
+    highs: tuple[float, ...]
+    """The fastest pass at each point (NaN where the side has no measurement there)."""
+
+    @property
+    def errors(self) -> tuple[list[float], list[float]]:
+        """Matplotlib's ``yerr``: how far each whisker reaches below and above the bar."""
+        return (
+            [m - low for m, low in zip(self.medians, self.lows, strict=True)],
+            [high - m for m, high in zip(self.medians, self.highs, strict=True)],
+        )
+
+
+def chart_series(result: BenchResult, row: str, points: Sequence[Point]) -> list[ChartSeries]:
+    """The bars of panel ``row`` over ``points``: ours, then the baseline when measured."""
+    series = []
+    for side in ("ours", "baseline"):
+        found = [result.find(side, row, p) for p in points]
+        named = [m for m in found if m is not None]
+        if not named:
+            continue
+        name = named[0].name
+        series.append(
+            ChartSeries(
+                label=f"{name} (sglang-storage)" if side == "ours" else name,
+                medians=tuple(math.nan if m is None else m.median for m in found),
+                lows=tuple(math.nan if m is None else m.low for m in found),
+                highs=tuple(math.nan if m is None else m.high for m in found),
+            )
+        )
+    return series
+
+
 def _chart(
     result: BenchResult,
     path: Path,
@@ -359,24 +525,23 @@ def _chart(
     }
     for index, row in enumerate(rows):
         ax = axes[index // columns][index % columns]
-        for side in ("ours", "baseline"):
-            found = [(x_of(p), result.find(side, row, p)) for p in points]
-            series = [(x, m) for x, m in found if m is not None]
-            if not series:
-                continue
-            name = series[0][1].name
-            label = f"{name} (sglang-storage)" if side == "ours" else name
-            ax.plot(
-                [x for x, _ in series],
-                [m.median for _, m in series],
-                marker="o",
-                label=label,
+        series = chart_series(result, row, points)
+        width = 0.8 / max(1, len(series))
+        for k, bars in enumerate(series):
+            offset = (k - (len(series) - 1) / 2) * width
+            ax.bar(
+                [i + offset for i in range(len(points))],
+                bars.medians,
+                width=width,
+                yerr=bars.errors,
+                capsize=4,
+                error_kw={"elinewidth": 1},
+                label=bars.label,
             )
         limit = limit_of.get(row)
         if limit is not None:
             ax.axhline(limit.median, linestyle="--", color="grey", label=limit.name)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([x_of(p) for p in points])
+        ax.set_xticks(list(range(len(points))))
         ax.set_xticklabels([f"{x_of(p):g}" for p in points])
         ax.set_xlabel(x_label)
         ax.set_ylabel("Mkeys/s" if row == "exists" else "GiB/s")
@@ -386,7 +551,9 @@ def _chart(
         ax.legend(fontsize="small")
     for index in range(len(rows), lines * columns):
         axes[index // columns][index % columns].set_visible(False)
-    figure.suptitle(title)
+    figure.suptitle(
+        f"{title}\nbars: median of {result.settings.repeats} passes; whiskers: slowest to fastest"
+    )
     figure.tight_layout()
     figure.savefig(path, format="png", dpi=100)
     pyplot.close(figure)
@@ -549,6 +716,9 @@ def write_report(
         ),
         "",
         "## Throughput vs page size",
+        "",
+        f"Bars are medians of the {settings.repeats} passes; whiskers reach from the "
+        "slowest pass to the fastest (min-max). Dashed: the machine limit that bounds the row.",
         "",
         f"![throughput vs page size]({CHARTS['page']})",
         "",

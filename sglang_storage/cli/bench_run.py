@@ -7,11 +7,13 @@
 - :class:`BenchRunner` - for every point (page size, batch size) of the sweep, put, get
   (warm and cold) and exists of the same pages through our backend and, when one is
   given, a :class:`~sglang_storage.cli.bench_baseline.BenchBaseline`, their samples
-  interleaved in alternating order so both see the same machine.
+  interleaved in alternating order so both see the same machine. It reports each phase
+  of a point (:meth:`BenchSettings.phases`) as it starts, for progress output.
 
 Every rate is a list of samples (``repeats`` timed passes with ``time.perf_counter``);
-callers report medians. Every pass must complete every page (a short count is a
-:class:`BenchFailedError`) and read-back bytes are compared with what was written.
+callers report medians with the spread (``low``/``high``: the slowest and fastest pass).
+Every pass must complete every page (a short count is a :class:`BenchFailedError`) and
+read-back bytes are compared with what was written.
 """
 
 from __future__ import annotations
@@ -139,6 +141,19 @@ class BenchSettings:
         """How many pages one pass moves at ``point``."""
         return max(1, self.total_bytes // point.page_bytes)
 
+    def phases(self) -> tuple[str, ...]:
+        """The phases of every point, in the order they run.
+
+        The puts (one untimed pass when put is not measured: the reads and exists need the
+        pages), each get, exists.
+        """
+        phases = ["put" if Op.PUT in self.ops else "put (untimed, for the reads)"]
+        if Op.GET in self.ops:
+            phases += [f"get {reads.value}" for reads in self.reads]
+        if Op.EXISTS in self.ops:
+            phases.append("exists")
+        return tuple(phases)
+
 
 @attrs.frozen(kw_only=True)
 class Limit:
@@ -152,6 +167,16 @@ class Limit:
     def median(self) -> float:
         """The median sample."""
         return statistics.median(self.samples)
+
+    @property
+    def low(self) -> float:
+        """The lowest sample (the slowest pass)."""
+        return min(self.samples)
+
+    @property
+    def high(self) -> float:
+        """The highest sample (the fastest pass)."""
+        return max(self.samples)
 
 
 @attrs.frozen(kw_only=True)
@@ -195,6 +220,16 @@ class Measurement:
     def median(self) -> float:
         """The median sample."""
         return statistics.median(self.samples)
+
+    @property
+    def low(self) -> float:
+        """The lowest sample (the slowest pass)."""
+        return min(self.samples)
+
+    @property
+    def high(self) -> float:
+        """The highest sample (the fastest pass)."""
+        return max(self.samples)
 
     @property
     def row(self) -> str:
@@ -509,6 +544,12 @@ class _Baseline:
 OursFactory = Callable[[Point, Path], tuple[Backend, Path | None]]
 """Open our backend for one point, given a fresh directory it may use; returns the
 backend and the directory holding its files when they are local files."""
+PhaseHook = Callable[[Point, str], None]
+"""Told each phase of a point (one of :meth:`BenchSettings.phases`) as it starts."""
+
+
+def _no_phase(point: Point, phase: str) -> None:
+    return None
 
 
 def _batches(count: int, batch: int) -> list[tuple[int, int]]:
@@ -527,6 +568,7 @@ class BenchRunner:
         scratch: An empty directory the run may fill (each point gets its own directory).
         open_ours: Opens our backend for a point.
         baseline: The baseline to run side by side, or ``None``.
+        on_phase: Told each phase of a point as it starts (progress output).
     """
 
     def __init__(
@@ -535,11 +577,13 @@ class BenchRunner:
         scratch: Path,
         open_ours: OursFactory,
         baseline: BaselineEntry | None,
+        on_phase: PhaseHook = _no_phase,
     ) -> None:
         self._settings = settings
         self._scratch = scratch
         self._open_ours = open_ours
         self._baseline = baseline
+        self._on_phase = on_phase
         self._notes: list[str] = []
 
     @property
@@ -584,7 +628,9 @@ class BenchRunner:
                 else None
             )
             try:
-                return _PointRun(settings, point, pages, sides, pool, self._note).run()
+                return _PointRun(
+                    settings, point, pages, sides, pool, self._note, self._on_phase
+                ).run()
             finally:
                 if pool is not None:
                     pool.shutdown()
@@ -604,6 +650,7 @@ class _PointRun:
         sides: list[_Side],
         pool: ThreadPoolExecutor | None,
         note: Callable[[str], None],
+        on_phase: PhaseHook,
     ) -> None:
         self.settings = settings
         self.point = point
@@ -611,6 +658,8 @@ class _PointRun:
         self.sides = sides
         self.pool = pool
         self.note = note
+        self.phases = iter(settings.phases())
+        self.on_phase = on_phase
         self.ranges = _batches(pages.count, point.batch)
         self.out: list[Measurement] = []
         self.clean: dict[int, set[str]] = {id(side): set() for side in sides}
@@ -663,8 +712,13 @@ class _PointRun:
             )
         )
 
+    def _phase(self) -> None:
+        """Announce the next phase of :meth:`BenchSettings.phases`."""
+        self.on_phase(self.point, next(self.phases))
+
     def run(self) -> list[Measurement]:
         settings, gib = self.settings, self.pages.nbytes / GIB
+        self._phase()
         self._puts(gib, timed=Op.PUT in settings.ops)
         if Op.GET in settings.ops:
             for side in self.sides:  # verify, and bring every file into the page cache
@@ -672,8 +726,10 @@ class _PointRun:
                     raise BenchFailedError(f"{side.name}: did not find every page it stored")
                 self.pages.check_read_back(side.name)
             for reads in settings.reads:
+                self._phase()
                 self._gets(gib, reads)
         if Op.EXISTS in settings.ops:
+            self._phase()
             self._exists()
         return self.out
 

@@ -1,17 +1,32 @@
-"""``sglang-storage bench``: argument errors, tiny real runs, the JSON document and the report."""
+"""``sglang-storage bench``: argument errors, tiny real runs, the JSON document, the report,
+progress on stderr, neutral wording, and where ``make bench`` writes."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sglang_storage.cli import main
-from sglang_storage.cli.bench_report import CHARTS, SCHEMA, SCHEMA_VERSION
+from sglang_storage.cli.bench_report import (
+    CHARTS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    Progress,
+    goal_verdict,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REPO = Path(__file__).resolve().parents[3]
+FORBIDDEN = re.compile(r"MISSED|NOT met|(?i:target in the issue|issue's target)")
+"""Wording a benchmark must not use: it reports ratios and, where a goal exists, met or not."""
 
 
 def tiny(tmp_path: Path, *extra: str) -> list[str]:
@@ -187,6 +202,7 @@ def test_json_document_schema(capsys: pytest.CaptureFixture[str], tmp_path: Path
         assert limit["unit"] == "GiB/s"
         assert len(limit["samples"]) == 3
         assert limit["median"] > 0
+        assert (limit["min"], limit["max"]) == (min(limit["samples"]), max(limit["samples"]))
     results = doc["results"]
     assert {(r["op"], r["batch"]) for r in results} == {
         ("put", 4),
@@ -201,6 +217,7 @@ def test_json_document_schema(capsys: pytest.CaptureFixture[str], tmp_path: Path
         assert r["concurrency"] == 1
         assert len(r["samples"]) == 3
         assert sorted(r["samples"])[1] == pytest.approx(r["median"])
+        assert (r["min"], r["max"]) == (min(r["samples"]), max(r["samples"]))
         assert r["ours_over_baseline"] is None
         if r["op"] == "put":
             assert r["unit"] == "GiB/s"
@@ -223,8 +240,18 @@ def test_concurrency_runs_batches_on_several_threads(
 
 
 def test_report_has_markdown_and_png_charts(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from matplotlib.axes import Axes
+
+    bars: list[dict[str, Any]] = []
+    draw = Axes.bar
+
+    def recording_bar(self: Axes, *args: Any, **kwargs: Any) -> Any:
+        bars.append(kwargs)
+        return draw(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "bar", recording_bar)
     report = tmp_path / "report"
     log = tmp_path / "host_pool.txt"
     log.write_text("alloc+free 16 pages  1.00x\n")
@@ -251,7 +278,136 @@ def test_report_has_markdown_and_png_charts(
         data = (report / name).read_bytes()
         assert data.startswith(PNG_SIGNATURE)
         assert len(data) > 1000
-    assert json.loads((report / "results.json").read_text())["schema"] == SCHEMA
+    doc = json.loads((report / "results.json").read_text())
+    assert doc["schema"] == SCHEMA
+    # Every chart bar carries its spread: whiskers from the slowest to the fastest pass.
+    assert "whiskers reach from the slowest pass to the fastest" in text
+
+    def whiskers(median: float, low: float, high: float) -> tuple[float, float]:
+        return round(median - low, 9), round(high - median, 9)
+
+    # Two charts (by page size: 4 and 8 KiB at batch 4; by batch: 2 and 4 at 4 KiB), three
+    # panels (put, get warm, exists) each, one side: six bar series, one bar per point.
+    assert len(bars) == 6
+    drawn = []
+    for call in bars:
+        assert call["capsize"] > 0
+        below, above = call["yerr"]
+        drawn += [whiskers(0.0, -b, a) for b, a in zip(below, above, strict=True)]
+    charted = [(4096, 4), (8192, 4), (4096, 2), (4096, 4)]
+    expected = [
+        whiskers(r["median"], r["min"], r["max"])
+        for point in charted
+        for r in doc["results"]
+        if (r["page_bytes"], r["batch"]) == point
+    ]
+    assert sorted(drawn) == sorted(expected)
+    assert all(low >= 0 and high >= 0 for low, high in drawn)
+
+
+def test_progress_goes_to_stderr_and_results_to_stdout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(tiny(tmp_path)) == 0
+    captured = capsys.readouterr()
+    steps = [
+        line for line in captured.err.splitlines() if line.startswith("sglang-storage bench: [")
+    ]
+    # The limits, then each phase of the one point, each with the time elapsed.
+    assert [line.split("] ")[1].split(" (")[0] for line in steps] == [
+        "the machine's limits",
+        "page 4 KiB, batch 4: put",
+        "page 4 KiB, batch 4: get warm",
+        "page 4 KiB, batch 4: get cold",
+        "page 4 KiB, batch 4: exists",
+    ]
+    assert all(
+        re.search(r"^sglang-storage bench: \[\d/5\] .* \(\d+\.\d s elapsed\)$", s) for s in steps
+    )
+    assert re.search(r"sglang-storage bench: done: 5 steps in \d+\.\d s", captured.err)
+    assert "elapsed" not in captured.out
+    assert "sglang-storage bench:" not in captured.out
+    assert "summary (file at page 4 KiB, batch 4):" in captured.out
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    with Progress(2, "demo", stream=terminal) as progress:
+        progress.step("first")
+        progress.note("a note")
+        progress.step("second")
+    assert "\r" in terminal.getvalue()  # tqdm redraws one line
+    assert "2/2" in terminal.getvalue()
+    assert "demo: a note\n" in terminal.getvalue()
+
+    log = io.StringIO()
+
+    def fail_in_the_first_step() -> None:
+        with Progress(3, "demo", stream=log) as progress:
+            progress.step("first")
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        fail_in_the_first_step()
+    lines = log.getvalue().splitlines()
+    assert re.fullmatch(r"demo: \[1/3\] first \(\d+\.\d s elapsed\)", lines[0])
+    assert re.fullmatch(r"demo: stopped in step 1 after \d+\.\d s", lines[1])
+    assert "\r" not in log.getvalue()
+
+
+def test_goal_verdicts_are_neutral() -> None:
+    assert goal_verdict(">= 1.5x", "1.62x", True) == "goal: >= 1.5x; measured: 1.62x; met"
+    assert goal_verdict(">= 1.5x", "0.87x", False) == "goal: >= 1.5x; measured: 0.87x; not met"
+    assert goal_verdict(">= 90%", "-", None).endswith("; does not apply")
+
+
+def test_no_benchmark_output_uses_judging_wording(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    report = tmp_path / "report"
+    assert main(tiny(scratch, "--compare", "sglang-file", "--report", str(report))) == 0
+    captured = capsys.readouterr()
+    for text in (captured.out, captured.err, (report / "report.md").read_text()):
+        assert not FORBIDDEN.search(text)
+    # The scripts print through the same words; their sources hold every line they print.
+    sources = [
+        *(REPO / "benchmarks").glob("*.py"),
+        *(REPO / "sglang_storage/cli").glob("bench*.py"),
+    ]
+    assert len(sources) >= 8
+    offending = [
+        f"{path.name}: {m.group()}"
+        for path in sources
+        for m in FORBIDDEN.finditer(path.read_text())
+    ]
+    assert offending == []
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize(
+    ("extra", "directory"), [((), "build/bench"), (("BENCH_REPORT=docs/bench",), "docs/bench")]
+)
+def test_make_bench_writes_its_report_to_build_unless_told(
+    extra: tuple[str, ...], directory: str
+) -> None:
+    done = subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", "bench", *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    bench = [line for line in done.stdout.splitlines() if "/sglang-storage bench " in line]
+    assert len(bench) == 1
+    assert f" --report {directory} " in bench[0]
+    assert f"report: {directory}/report.md" in done.stdout
 
 
 def test_report_without_matplotlib_says_what_to_install(
