@@ -5,7 +5,7 @@ as root for the cold-cache rows). For each page size it writes the same pages th
 both implementations and prints, per row, the median rate of ours and SGLang's over
 several repetitions (with the min-max spread), the ratio ours/SGLang (> 1 means ours is
 faster), the machine's limit for that operation measured in the same run, ours as a
-percentage of that limit, and whether the issue's target is met. Rows:
+percentage of that limit, and whether the row's goal is met. Rows:
 
 - ``set``: every page written into a fresh directory, in batches of ``--batch`` keys:
   ours with ``FileBackend.put_from`` (building the ``PutRequest``s is timed too),
@@ -32,6 +32,8 @@ run: a set sample's files are evicted from the page cache afterwards but only de
 when the run ends (creating files soon after deleting thousands is ~20x slower), and the
 run starts with a probe of the cost of creating a file, waiting up to 150 s for it to
 settle when it is high. The scratch directory defaults to ``/var/tmp`` (disk-backed).
+Progress (one line per row and page size, and per wait, with the time elapsed) goes to
+stderr; the tables go to stdout.
 
 This is a benchmark, not a test: machines are shared and noisy, so read the ratios.
 """
@@ -65,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from support.sglang_pools import build_hicache_file
 
+from sglang_storage.cli.bench_report import Progress
 from sglang_storage.core import (
     DataKind,
     GetRequest,
@@ -108,21 +111,21 @@ class SGLangFile(Protocol):
 
 
 @attrs.frozen(kw_only=True)
-class Target:
-    """What the issue asks of one row."""
+class Goal:
+    """The goal of one row."""
 
     ratio: float
     """Ours / SGLang at least this."""
     of_limit: float | None
-    """Ours at least this fraction of the machine's limit; ``None`` for no such target."""
+    """Ours at least this fraction of the machine's limit; ``None`` for no such goal."""
     note: str = ""
 
 
-TARGETS: Final[dict[str, Target]] = {
-    "set": Target(ratio=1.5, of_limit=0.8),
-    "get warm": Target(ratio=1.2, of_limit=0.8),
-    "get cold": Target(ratio=1.5, of_limit=0.8),
-    "exists": Target(ratio=1.0, of_limit=None, note="*"),
+GOALS: Final[dict[str, Goal]] = {
+    "set": Goal(ratio=1.5, of_limit=0.8),
+    "get warm": Goal(ratio=1.2, of_limit=0.8),
+    "get cold": Goal(ratio=1.5, of_limit=0.8),
+    "exists": Goal(ratio=1.0, of_limit=None, note="*"),
 }
 
 
@@ -405,10 +408,18 @@ class Bench:
     """Every row for one page size, in a scratch directory under ``base``."""
 
     def __init__(
-        self, pages: Pages, args: argparse.Namespace, base: Path, *, cold: bool, keep: bool
+        self,
+        pages: Pages,
+        args: argparse.Namespace,
+        base: Path,
+        *,
+        cold: bool,
+        keep: bool,
+        progress: Progress,
     ) -> None:
         self.pages = pages
         self.args = args
+        self.progress = progress
         self.base = base
         self.cold = cold
         self.keep = keep
@@ -589,13 +600,22 @@ class Bench:
         sample(candidates, self.args.repeats)
         return row
 
+    def _step(self, row: str) -> None:
+        self.progress.step(f"{self.pages.page_bytes >> 10} KiB pages: {row}")
+
     def run(self) -> list[Row]:
-        """Every row, then clean up."""
+        """Every row, then clean up; one progress step per row."""
+        self._step("write and verify the read-back stores")
         stores = self.verify()
         try:
-            rows = [self.set_row(), self.get_row(stores, cold=False)]
+            self._step("set")
+            rows = [self.set_row()]
+            self._step("get warm")
+            rows.append(self.get_row(stores, cold=False))
             if self.cold:
+                self._step("get cold")
                 rows.append(self.get_row(stores, cold=True))
+            self._step("exists")
             rows.append(self.exists_row(stores))
             return rows
         finally:
@@ -612,11 +632,11 @@ def spread(samples: Sequence[float]) -> str:
 
 
 def print_table(title: str, rows: list[Row]) -> list[str]:
-    """Print one page size's table; returns one ``row: ratio, %limit, met`` per row."""
+    """Print one page size's table; returns one ``row ratio/%limit met|not met`` per row."""
     print(f"\n{title}")  # noqa: T201
     header = (
         f"{'row':<9} {'unit':<8} {'ours':>20} {'sglang':>20} {'ratio':>7} "
-        f"{'limit':>20} {'ours/lim':>8}  {'target':<17} met"
+        f"{'limit':>20} {'ours/lim':>8}  {'goal':<17} met"
     )
     print(header)  # noqa: T201
     print("-" * len(header))  # noqa: T201
@@ -626,18 +646,19 @@ def print_table(title: str, rows: list[Row]) -> list[str]:
         _, limit_samples = row.limit()
         limit = statistics.median(limit_samples)
         ratio, of_limit = ours / theirs, ours / limit
-        target = TARGETS[row.name]
-        met = ratio >= target.ratio and (target.of_limit is None or of_limit >= target.of_limit)
-        wanted = f">={target.ratio:.1f}x"
-        if target.of_limit is not None:
-            wanted += f", >={target.of_limit:.0%} lim"
-        wanted += target.note
+        goal = GOALS[row.name]
+        met = ratio >= goal.ratio and (goal.of_limit is None or of_limit >= goal.of_limit)
+        wanted = f">={goal.ratio:.1f}x"
+        if goal.of_limit is not None:
+            wanted += f", >={goal.of_limit:.0%} lim"
+        wanted += goal.note
         print(  # noqa: T201
             f"{row.name:<9} {row.unit:<8} {spread(row.ours):>20} {spread(row.sglang):>20} "
             f"{ratio:>6.2f}x {spread(limit_samples):>20} {of_limit:>8.0%}  {wanted:<17} "
-            f"{'yes' if met else 'NO'}"
+            f"{'yes' if met else 'no'}"
         )
-        verdicts.append(f"{row.name} {ratio:.2f}x/{of_limit:.0%}lim {'met' if met else 'MISSED'}")
+        verdict = "met" if met else "not met"
+        verdicts.append(f"{row.name} {ratio:.2f}x/{of_limit:.0%}lim {verdict}")
     print("limit candidates (median, min-max; the fastest is the row's limit):")  # noqa: T201
     for row in rows:
         for name, samples in row.limits.items():
@@ -689,6 +710,7 @@ def main() -> None:
     set_bytes = SET_BYTES // 4 if args.quick else SET_BYTES
 
     skip_cold = "--no-drop-caches was given" if args.no_drop_caches else cold_cache_support()
+    progress = Progress(len(args.page_kib) * (5 if skip_cold is None else 4), "file_backend.py")
     base = Path(tempfile.mkdtemp(prefix="sglang-storage-bench-", dir=args.dir))
     command = shlex.join(sys.orig_argv)
     print(f"command: {command}")  # noqa: T201
@@ -709,6 +731,10 @@ def main() -> None:
         # ext4 without a journal skips inodes freed in the last minute or so when it
         # allocates new ones; after a burst of deletions (a previous run's cleanup, a
         # test suite) creating a file costs ~20x more for 60-100 s. Wait it out.
+        progress.note(
+            f"creating a file takes {probe:.0f} us here; waiting for it to settle "
+            f"({waited} s of at most {SETTLE_S} s so far)"
+        )
         time.sleep(15)
         waited += 15
         probe = create_probe(base)
@@ -738,7 +764,14 @@ def main() -> None:
             pages = Pages(count, page_bytes, seed=kib)
             copy_1 = memcpy_rate(pages, 1, args.repeats)
             copy_n = memcpy_rate(pages, torch.get_num_threads(), args.repeats)
-            bench = Bench(pages, args, base / f"{kib}k", cold=skip_cold is None, keep=keep)
+            bench = Bench(
+                pages,
+                args,
+                base / f"{kib}k",
+                cold=skip_cold is None,
+                keep=keep,
+                progress=progress,
+            )
             rows = bench.run()
             title = (
                 f"== {kib} KiB pages: {count} pages, {pages.total / GIB:.3f} GiB per pass, "
@@ -753,7 +786,8 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
         os.sync()  # a clean inode table lets the next run reuse these inodes sooner
-    print("\n* exists has no target in the issue; shown as 'not slower than SGLang'.")  # noqa: T201
+    progress.close()
+    print("\n* exists has no goal of its own; shown against >= 1.0x, 'not slower than SGLang'.")  # noqa: T201
     print(f"summary [{command}]: " + "; ".join(summary))  # noqa: T201
 
 

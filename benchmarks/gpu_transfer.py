@@ -23,9 +23,9 @@ Each timing is host wall time from a ``torch.cuda.synchronize()`` to the end of 
 transfer (``synchronize`` again), so the pipeline's submission cost is counted; device time
 from CUDA events (ours: the transfer's start and finish events) is reported beside it. Runs
 alternate pipeline and plain, the first ``--warmup`` rounds are not counted, and rows report
-the medians (GiB/s) and the ratio pipeline / plain of the medians. The issue's target is
-a ratio >= 0.90 for ``page_first`` at pages of 1 MiB and more; ``--require-target`` makes a
-miss exit 1. Writes ``gpu_transfer.json`` and ``gpu_transfer.md`` into ``--out``.
+the medians (GiB/s) and the ratio pipeline / plain of the medians. The goal is a ratio
+>= 0.90 for ``page_first`` at pages of 1 MiB and more; with ``--require-target`` a run that
+does not meet it exits 1. Writes ``gpu_transfer.json`` and ``gpu_transfer.md`` into ``--out``.
 
 This is a benchmark, not a test: read the ratios.
 """
@@ -208,7 +208,7 @@ def measure(
         ours_device = total / device_medians[direction] / GIB
         plain_device_rate = total / device_medians[f"plain_{direction}"] / GIB
         row[f"{direction}_device_ratio"] = round(ours_device / plain_device_rate, 4)
-    # The target is about PCIe: a CPU run never applies it.
+    # The goal is about PCIe: a CPU run never applies it.
     row["target_applies"] = (
         cuda and layout.value == TARGET_LAYOUT and g.page_bytes >= TARGET_MIN_PAGE
     )
@@ -219,7 +219,7 @@ def measure(
 
 
 def markdown(rows: Sequence[dict[str, Any]], facts: dict[str, Any]) -> str:
-    """The rows as a markdown table, with the target verdict."""
+    """The rows as a markdown table, with the goal verdict."""
     lines = [
         "# Device<->host pipeline vs plain pinned copy_",
         "",
@@ -227,11 +227,11 @@ def markdown(rows: Sequence[dict[str, Any]], facts: dict[str, Any]) -> str:
         f"I/O backend: {rows[0]['io_backend'] if rows else '-'}",
         "",
         "| layout | page | pages | D2H ours | D2H plain | D2H ratio "
-        "| H2D ours | H2D plain | H2D ratio | D2H / H2D device-time ratio | target (>= 90%) |",
+        "| H2D ours | H2D plain | H2D ratio | D2H / H2D device-time ratio | goal (>= 90%) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        verdict = "n/a" if r["target_met"] is None else ("met" if r["target_met"] else "MISSED")
+        verdict = "n/a" if r["target_met"] is None else ("met" if r["target_met"] else "not met")
         lines.append(
             f"| {r['layout']} | {r['page_bytes'] >> 10} KiB | {r['pages']} "
             f"| {r['d2h_gib_s']:.1f} | {r['plain_d2h_gib_s']:.1f} | {r['d2h_ratio']:.1%} "
@@ -242,7 +242,7 @@ def markdown(rows: Sequence[dict[str, Any]], facts: dict[str, Any]) -> str:
         "",
         "Bandwidths in GiB/s (medians of wall time, submission included); ratio = ours / "
         "plain. The device-time ratio uses CUDA events only (ours: the transfer's own start "
-        "and finish events), leaving out the host's submission cost. The target is judged "
+        "and finish events), leaving out the host's submission cost. The goal is judged "
         "on wall time.",
     ]
     return "\n".join(lines) + "\n"
@@ -271,7 +271,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--layouts", nargs="+", default=["layer_first", "page_first"], help="host layouts"
     )
     parser.add_argument(
-        "--require-target", action="store_true", help="exit 1 when the target is missed"
+        "--require-target", action="store_true", help="exit 1 when the goal (>= 90%%) is not met"
     )
     parser.add_argument(
         "--device",
@@ -286,7 +286,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark; 0 unless ``--require-target`` and the target was missed."""
+    """Run the benchmark; 0 unless ``--require-target`` and the goal was not met."""
     args = parse(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         reason = f"{SKIPPED} (torch {torch.__version__}, CUDA build {torch.version.cuda})"
@@ -325,8 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
     }
     table = markdown(rows, facts)
-    verdict = {None: "not measured", True: "met", False: "MISSED"}[met]
-    table += f"\nTarget (page_first, >= 1 MiB pages, both directions >= 90%): {verdict}\n"
+    verdict = {None: "not measured", True: "met", False: "not met"}[met]
+    table += f"\nGoal (page_first, >= 1 MiB pages, both directions >= 90%): {verdict}\n"
     write(args.out, report, table)
     print(table)  # noqa: T201
     return 1 if args.require_target and met is False else 0

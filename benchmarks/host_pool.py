@@ -2,7 +2,8 @@
 
 Run: ``.venv/bin/python benchmarks/host_pool.py`` (``--quick`` for a short run). Prints,
 for each row, the median rate of ours and SGLang's over several repetitions and the ratio
-ours/theirs (> 1 means ours is faster). Rows:
+ours/theirs (> 1 means ours is faster); progress (one line per group of rows, with the
+time elapsed) goes to stderr. Rows:
 
 - ``alloc+free N pages``: ``KVHostPool.alloc(N)`` + ``free`` vs ``HostKVCache.alloc(N *
   page_size)`` + ``free`` on the same geometry, after the pool has been churned so that
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support.sglang_pools import SGLangHostPool, build_sglang_host_pool  # noqa: E402
 
+from sglang_storage.cli.bench_report import Progress  # noqa: E402
 from sglang_storage.memory import (  # noqa: E402
     Attention,
     BudgetConfig,
@@ -274,9 +276,13 @@ def main() -> None:
     budget = HostMemoryBudget(BudgetConfig(total=2 << 30, headroom=1 << 30))
     memory = HostMemory(budget)
     print(f"{'row':<40} {'ours':>14} {'sglang':>14} {'unit':<9} {'ratio':>8}")  # noqa: T201
-    bench_alloc_free(memory, sizes, loops=200 if args.quick else 1000, repeats=repeats)
-    bench_gather(memory, sizes, repeats)
-    bench_extents(capacity=4096, steps=20_000 if args.quick else 100_000, repeats=repeats)
+    with Progress(3, "host_pool.py") as progress:
+        progress.step("alloc+free")
+        bench_alloc_free(memory, sizes, loops=200 if args.quick else 1000, repeats=repeats)
+        progress.step("gather, every layout")
+        bench_gather(memory, sizes, repeats)
+        progress.step("embedding alloc/free")
+        bench_extents(capacity=4096, steps=20_000 if args.quick else 100_000, repeats=repeats)
 
 
 if __name__ == "__main__":
