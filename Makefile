@@ -54,11 +54,16 @@ apply-patches: $(STAMP)
 revert-patches: $(STAMP)
 	$(BIN)/python -m sglang_storage_adapters.patching revert $(PATCH_ARGS)
 
-# The benchmark suite: the benchmarks/ scripts with their quick settings (their output
-# kept in build/bench), then `sglang-storage bench` side by side with SGLang's HiCacheFile,
-# writing $(BENCH_REPORT)/report.md with charts and every script's output. 2-5 minutes
-# (file_backend.py and the bench wait for ext4 to settle after deletions).
-BENCH_REPORT ?= docs/bench
+# The benchmark suite: the benchmarks/ scripts with their quick settings, then
+# `sglang-storage bench` side by side with SGLang's HiCacheFile, writing
+# $(BENCH_REPORT)/report.md with charts, results.json and every script's output. 2-5 minutes
+# (file_backend.py and the bench wait for ext4 to settle after deletions). Progress goes to
+# stderr: a line per step with the time elapsed, each script's own progress lines and the
+# bench's (a script's whole stderr, library logs included, is kept in
+# build/bench/NAME.txt.err). Results go to stdout, each script's also to
+# build/bench/NAME.txt. The report goes to build/bench unless
+# `make bench BENCH_REPORT=docs/bench` (the committed report).
+BENCH_REPORT ?= build/bench
 BENCH_ARGS ?= --compare sglang-file --repeats 5 --settle 120
 BENCH_SCRIPTS = "host_pool.py --quick" "storage_pipeline.py --repeats 3" \
 	"page_hash.py --quick" "hicache_interface.py --quick" \
@@ -66,15 +71,22 @@ BENCH_SCRIPTS = "host_pool.py --quick" "storage_pipeline.py --repeats 3" \
 
 bench: $(STAMP)
 	@mkdir -p build/bench
-	@set -e; attach=; for run in $(BENCH_SCRIPTS); do \
-		log=build/bench/$${run%%.py*}.txt; attach="$$attach --attach $$log"; \
-		echo "$$ python benchmarks/$$run" | tee $$log; \
-		$(BIN)/python benchmarks/$$run >> $$log 2> $$log.err \
-			|| { tail -n 20 $$log $$log.err; echo "error: benchmarks/$$run failed; output in $$log(.err)" >&2; exit 1; }; \
-		tail -n +2 $$log; \
+	@set -e; set -- $(BENCH_SCRIPTS); total=$$(($$# + 1)); step=0; start=$$(date +%s); attach=; \
+	for run in "$$@"; do \
+		step=$$((step + 1)); log=build/bench/$${run%%.py*}.txt; attach="$$attach --attach $$log"; \
+		echo "make bench: [$$step/$$total] benchmarks/$$run ($$(($$(date +%s) - start)) s elapsed)" >&2; \
+		echo "$$ python benchmarks/$$run" > $$log; \
+		{ rc=0; $(BIN)/python benchmarks/$$run 2>&1 >> $$log || rc=$$?; echo $$rc > $$log.rc; } \
+			| tee $$log.err | grep --line-buffered -E '^[a-z_]+\.py: ' >&2 || true; \
+		rc=$$(cat $$log.rc); rm -f $$log.rc; \
+		if [ "$$rc" != 0 ]; then tail -n 20 $$log $$log.err >&2; \
+			echo "error: benchmarks/$$run failed (exit $$rc); output in $$log(.err)" >&2; exit 1; fi; \
+		cat $$log; \
 	done; \
+	echo "make bench: [$$total/$$total] sglang-storage bench ($$(($$(date +%s) - start)) s elapsed)" >&2; \
 	echo "$$ sglang-storage bench $(BENCH_ARGS) --report $(BENCH_REPORT)"; \
-	$(BIN)/sglang-storage bench $(BENCH_ARGS) --report $(BENCH_REPORT) $$attach
+	$(BIN)/sglang-storage bench $(BENCH_ARGS) --report $(BENCH_REPORT) $$attach; \
+	echo "make bench: done in $$(($$(date +%s) - start)) s; report: $(BENCH_REPORT)/report.md" >&2
 
 # The demo: a multi-turn workload through device, host and the file backend under
 # ./.sglang-storage-demo (run it twice: the second run gets storage hits). DEMO_ARGS=...
