@@ -52,13 +52,8 @@ coordinator is imported lazily in ``ModelRunner.maybe_init_hisparse_coordinator`
 replacement builds SGLang's own class unless the server args carry sglang_storage
 settings with ``sparse`` in ``--storage-managers``.
 
-NPU: SGLang's ``SparseKVCacheManager`` (``hardware_backend/npu/...``) imports
-``sgl_kernel_npu`` at module level, so it cannot be imported, subclassed or replaced
-where that package is absent, and :func:`install` registers nothing for it. Its contract
-also does not fit the manager's API: ``offload_v2`` writes one layer of many new tokens
-straight to the host (the manager moves a token's KV across all layers at once, through
-the device buffer), and ``get_forward_kv`` gathers one layer of a whole request from the
-host; an NPU adapter needs per-layer host writes and reads in the manager first.
+NPU: SGLang's ``SparseKVCacheManager`` (``hardware_backend/npu/...``) is adapted in
+:mod:`.npu_sparse`, on the manager's layer-wise API; this module registers nothing for it.
 """
 
 from __future__ import annotations
@@ -472,8 +467,7 @@ def install(registry: Any = None) -> None:
     """Register :class:`HiSparseAdapter` as SGLang's HiSparse coordinator class.
 
     Call from the ``sglang.srt.plugins`` entry point. ``registry`` defaults to SGLang's
-    ``HookRegistry``. Nothing is registered for the NPU ``SparseKVCacheManager`` (see the
-    module docstring).
+    ``HookRegistry``. The NPU ``SparseKVCacheManager`` is :mod:`.npu_sparse`'s.
     """
     if registry is None:
         from sglang.srt.plugins.hook_registry import HookRegistry

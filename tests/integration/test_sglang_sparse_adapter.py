@@ -23,8 +23,9 @@ pins its host pool with ``cudaHostRegister`` in its constructor
 (``hisparse_coordinator.py:618`` -> ``pool_host/common.py:147``); on CPU that step is
 checked to be where SGLang's own class stops, and the GPU test checks it builds. SGLang's
 CUDA swap-in kernels are not used by the adapter. The NPU ``SparseKVCacheManager`` module
-imports ``sgl_kernel_npu`` at import time, so here it cannot even be imported; the last
-test pins that.
+imports ``sgl_kernel_npu`` at import time, so without it the module cannot be imported (the
+last test pins that); its adapter (``npu_sparse``) is tested with named fakes in
+``test_sglang_npu_sparse.py``.
 """
 
 from __future__ import annotations
