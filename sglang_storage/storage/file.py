@@ -386,6 +386,9 @@ class FileBackend:
         """
         found: list[tuple[float, ObjectKey, int]] = []
         capacity = self._config.capacity_bytes
+        # Objects of one store come in few sizes: one int object each, not one per key
+        # (28 bytes of the index's footprint per object).
+        sizes: dict[int, int] = {}
         for key, entry in self._scan():
             try:
                 status = entry.stat(follow_symlinks=False)
@@ -396,7 +399,7 @@ class FileBackend:
             suspicious = holes or (capacity is not None and size > capacity)
             if suspicious and not self._sized_by_header(key, status):
                 continue
-            found.append((status.st_mtime, key, size))
+            found.append((status.st_mtime, key, sizes.setdefault(size, size)))
         found.sort(key=lambda item: item[0])
         for _, key, size in found:
             self._index.add(key, size)
@@ -514,14 +517,22 @@ class FileBackend:
             return None
 
     def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Whether each key is stored (by this or another process)."""
+        """Whether each key is stored (by this or another process).
+
+        Answered from this process's index where it holds the key (no system call), else
+        from the file system. The index is a cache of what this process wrote, read or
+        found: another process's delete or clear can leave a stale "yes", which a get
+        then reports as a miss (and forgets); a "no" is never taken from the index.
+        """
         self._check_open()
-        return [self._exists(key) for key in keys]
+        indexed = self._index.__contains__
+        return [indexed(key) or self._exists(key) for key in keys]
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
-        """How many leading keys are stored."""
+        """How many leading keys are stored (see :meth:`exists`)."""
         self._check_open()
-        return count_prefix(self._exists(key) for key in keys)
+        indexed = self._index.__contains__
+        return count_prefix(indexed(key) or self._exists(key) for key in keys)
 
     def _exists(self, key: ObjectKey) -> bool:
         # One lstat: a link (or anything but a regular file) at the key's place is no
@@ -1149,6 +1160,10 @@ def _fan(name: str) -> str:
     return f"{xxhash.xxh32_intdigest(name.encode()) & 0xFF:02x}"
 
 
+_TRAILER: Final = memoryview(bytearray(1))
+_MAX_RW: Final = 0x7FFFF000
+
+
 class _Read:
     """One object's read in flight: filled by an I/O thread, judged by the caller."""
 
@@ -1170,7 +1185,8 @@ class _Read:
         self.request = request
         self.header = bytearray(HEADER_SIZE)
         # One byte more than the object should have: reading it means trailing bytes.
-        self.views = [memoryview(self.header), *request.buffers, memoryview(bytearray(1))]
+        # Its content is never looked at, so every read shares one.
+        self.views = [memoryview(self.header), *request.buffers, _TRAILER]
         self.got = -1
         """Bytes read; -1 when there was no file."""
         self.digest: int | None = None
@@ -1223,6 +1239,13 @@ def _readv_full(fd: int, views: list[memoryview], offset: int) -> int:
     """
     total = 0
     pending = views
+    if len(views) <= IOV_MAX:
+        # One call: full, or short at the file's end; only a read of more than Linux's
+        # cap per call (MAX_RW_COUNT, just under 2 GiB) goes on.
+        total = os.preadv(fd, views, offset)
+        if total < _MAX_RW:
+            return total
+        pending = advance(views, total)
     while pending:
         batch = pending[:IOV_MAX] if len(pending) > IOV_MAX else pending
         got = os.preadv(fd, batch, offset + total)
