@@ -689,6 +689,87 @@ def mount_of(path: Path) -> str:
     return f"{best[0]} on {best[1]} type {best[2]}"
 
 
+def rss_bytes() -> int:
+    """This process's resident set size (``VmRSS``), after a garbage collection."""
+    gc.collect()
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    return 0
+
+
+SCALE_PAYLOAD: Final = 64
+"""Payload bytes of each object of the scale run: the index, not the data, is measured."""
+
+
+def scale_run(count: int, base: Path, batch: int, progress: Progress) -> str:
+    """``count`` objects in one store: rebuild time, index RSS and exists throughput.
+
+    Objects are written by one backend, which is closed; a fresh one then opens the store
+    (timed: the directory scan that rebuilds the index) and its RSS growth over the open
+    is the index's. ``prefix_hits`` of every key in batches of ``batch`` is then timed,
+    all answered from the index; a missing key costs one ``lstat`` (timed too).
+    """
+    namespace = Namespace(model="bench-scale", kind=DataKind.KV)
+    names = [f"{i:016x}{'0' * 48}" for i in range(count)]
+    keys = [ObjectKey(namespace=namespace, name=name) for name in names]
+    spec = ObjectSpec.raw(SCALE_PAYLOAD)
+    payload: Any = (memoryview(bytes(range(SCALE_PAYLOAD))),)
+    root = base / "scale"
+    started = time.perf_counter()
+    writer = Ours.open(root)
+    try:
+        for start in range(0, count, 1000):
+            requests = [
+                PutRequest(key=key, spec=spec, buffers=payload)
+                for key in keys[start : start + 1000]
+            ]
+            if not all(r.ok for r in writer.put_from(requests)):
+                raise SystemExit("error: the scale run could not store every object")
+            if start % 100_000 == 0:
+                progress.note(f"scale: {start} of {count} objects written")
+    finally:
+        writer.close()
+    written = time.perf_counter() - started
+    os.sync()
+    before = rss_bytes()
+    start_open = time.perf_counter()
+    backend = Ours.open(root)
+    opened = time.perf_counter() - start_open
+    grown = rss_bytes() - before
+    try:
+        if backend.stats().objects != count:
+            raise SystemExit("error: the reopened store does not index every object")
+        rates = []
+        for _ in range(3):
+            began = time.perf_counter()
+            hits = sum(backend.prefix_hits(keys[i : i + batch]) for i in range(0, count, batch))
+            rates.append(count / (time.perf_counter() - began) / 1e6)
+            if hits != count:
+                raise SystemExit(f"error: exists found {hits} of {count} objects")
+        missing = [ObjectKey(namespace=namespace, name=f"{i:016x}{'f' * 48}") for i in range(batch)]
+        began = time.perf_counter()
+        if any(backend.exists(missing)):
+            raise SystemExit("error: exists found an object never written")
+        miss_rate = batch / (time.perf_counter() - began) / 1e6
+    finally:
+        backend.close()
+    per_object = grown / count
+    return (
+        f"\n== scale: {count} objects of {SCALE_PAYLOAD} B in one store "
+        f"(written in {written:.1f} s) ==\n"
+        f"open (index rebuild by directory scan): {opened:.2f} s "
+        f"({opened / count * 1e6:.2f} us per object; goal < 10 s at 1,000,000: "
+        f"{'met' if opened / count * 1e6 < 10.0 else 'not met'} at this rate)\n"
+        f"index RSS: {grown / 2**20:.1f} MiB, {per_object:.0f} bytes per object "
+        f"(goal < 200: {'met' if per_object < 200 else 'not met'})\n"
+        f"exists (prefix_hits, batches of {batch}, all stored): "
+        f"{statistics.median(rates):.2f} Mkeys/s median of 3; "
+        f"missing keys (one lstat each): {miss_rate:.2f} Mkeys/s"
+    )
+
+
 def main() -> None:
     """Parse the options, run every page size and print the tables and a summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -704,7 +785,24 @@ def main() -> None:
     )
     parser.add_argument("--no-drop-caches", action="store_true", help="skip the cold rows")
     parser.add_argument("--quick", action="store_true", help="64 MiB passes, 3 repeats")
+    parser.add_argument(
+        "--scale",
+        type=int,
+        metavar="N",
+        help="only the scale run: N objects in one store (open time, index RSS, exists)",
+    )
     args = parser.parse_args()
+    if args.scale:
+        base = Path(tempfile.mkdtemp(prefix="sglang-storage-bench-", dir=args.dir))
+        progress = Progress(1, "file_backend.py")
+        try:
+            progress.step(f"scale run: {args.scale} objects")
+            print(f"command: {shlex.join(sys.orig_argv)}")  # noqa: T201
+            print(scale_run(args.scale, base, 1000, progress))  # noqa: T201
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+            progress.close()
+        return
     if args.quick:
         args.repeats = min(args.repeats, 3)
     set_bytes = SET_BYTES // 4 if args.quick else SET_BYTES
