@@ -334,6 +334,14 @@ def _coerce(value: object, declared: Any, *, owner: str, field: str) -> object:
                 owner=owner, field=field, value=value, reason="is too large for a float"
             ) from None
     if declared is Path and isinstance(value, str):
+        if not value.strip():  # Path("") is ".": an empty option must not mean "here"
+            raise ConfigError(
+                owner=owner,
+                field=field,
+                value=value,
+                reason="must not be empty (it would name the current directory)",
+                allowed="a directory path; write '.' for the current directory",
+            )
         return Path(value)
     checked = declared in (int, float, str, bool, Path) or attrs.has(declared)
     wrong_bool = isinstance(value, bool) and declared is not bool

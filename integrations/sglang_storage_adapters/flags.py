@@ -45,10 +45,12 @@ from sglang_storage.cli.settings import (
     AVAILABLE_MANAGERS,
     LOAD_POLICIES,
     MANAGER_NAMES,
+    MAX_CONFIG_BYTES,
     PREFETCH_POLICIES,
     WRITE_POLICIES,
     StorageSettings,
     load_settings,
+    read_config_bytes,
 )
 from sglang_storage.config import (
     build_config,
@@ -223,10 +225,18 @@ def parse_backend_config(text: str) -> dict[str, object]:
                 allowed="@FILE.json, @FILE.toml, @FILE.yaml, @FILE.yml",
             )
         try:
-            data = path.read_bytes()
+            data = read_config_bytes(path)
         except OSError as error:
             raise ConfigError(
                 owner=_OWNER, field=field, value=text, reason=f"cannot be read: {error}"
+            ) from None
+        except ValueError as error:
+            raise ConfigError(
+                owner=_OWNER,
+                field=field,
+                value=text,
+                reason=str(error),
+                allowed=f"a file of at most {describe_bytes(MAX_CONFIG_BYTES)}",
             ) from None
         try:
             options = loader(data)
@@ -257,12 +267,30 @@ def parse_backend_config(text: str) -> dict[str, object]:
 
 
 def _load_yaml(data: bytes) -> object:
+    """Parse YAML ``data`` with the safe loader, refusing aliases (``*name``, ``<<: *name``).
+
+    An alias repeats a node without copying its text, so a few lines can expand to
+    billions of values (an alias bomb); backend options never need one.
+    """
     try:
         yaml = importlib.import_module("yaml")
     except ImportError:
         raise ValueError("reading YAML needs PyYAML (pip install pyyaml)") from None
+
+    class _NoAliasLoader(yaml.SafeLoader):  # type: ignore[misc,name-defined]
+        def compose_node(self, parent: object, index: object) -> object:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"alias *{event.anchor} is not accepted (write the value out)",
+                    event.start_mark,
+                )
+            return super().compose_node(parent, index)
+
     try:
-        return yaml.safe_load(data)
+        return yaml.load(data, Loader=_NoAliasLoader)
     except yaml.YAMLError as error:
         raise ValueError(str(error)) from None
 

@@ -173,6 +173,8 @@ def backend_choice(args: argparse.Namespace) -> BackendChoice:
             parsed = json.loads(args.backend_config)
         except json.JSONDecodeError as error:
             raise UsageError(f"--backend-config is not valid JSON: {error}") from error
+        except RecursionError:
+            raise UsageError("--backend-config is nested too deeply to be options") from None
         if not isinstance(parsed, dict):
             raise UsageError(
                 f"--backend-config must be a JSON object of options, got {type(parsed).__name__}"

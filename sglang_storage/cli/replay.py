@@ -72,6 +72,10 @@ sglang_storage/cli/replay_report.py). Exit status: 0 when every loaded page veri
 """
 
 
+_MAX_COUNT: Final = 2**31 - 1
+"""The largest count or seed an option takes (sizes and lengths must fit an index)."""
+
+
 def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -80,6 +84,8 @@ def _int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below the minimum {low}")
+        if value > _MAX_COUNT:
+            raise argparse.ArgumentTypeError(f"{value} is above the maximum {_MAX_COUNT}")
         return value
 
     parse.__name__ = "int"
@@ -111,6 +117,8 @@ def _json_object(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError("nested too deeply to be options") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"durability": "data"}\'')
     return value

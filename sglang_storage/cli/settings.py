@@ -51,12 +51,17 @@ __all__ = [
     "AVAILABLE_MANAGERS",
     "LOAD_POLICIES",
     "MANAGER_NAMES",
+    "MAX_CONFIG_BYTES",
     "PREFETCH_POLICIES",
     "SETTING_KEYS",
     "WRITE_POLICIES",
     "StorageSettings",
     "load_settings",
+    "read_config_bytes",
 ]
+
+MAX_CONFIG_BYTES: Final = 1 << 20
+"""The largest config file (``--storage-config``, ``--storage-backend-config @FILE``) read."""
 
 MANAGER_NAMES: Final = (
     "kv",
@@ -225,6 +230,21 @@ SETTING_KEYS: Final = tuple(f.name.replace("_", "-") for f in attrs.fields(Stora
 """The keys a config file may hold, as the file writes them."""
 
 
+def read_config_bytes(path: Path) -> bytes:
+    """The bytes of the config file at ``path``, at most :data:`MAX_CONFIG_BYTES` of them.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it holds more than :data:`MAX_CONFIG_BYTES` (no config is that large;
+            a larger input is refused before it is parsed).
+    """
+    with path.open("rb") as file:
+        data = file.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"is larger than {MAX_CONFIG_BYTES} bytes, the most a config file holds")
+    return data
+
+
 def load_settings(path: str | Path) -> StorageSettings:
     """Read and validate the storage config file at ``path``.
 
@@ -236,10 +256,18 @@ def load_settings(path: str | Path) -> StorageSettings:
     path = Path(path)
     owner = f"storage config {path}"
     try:
-        data = path.read_bytes()
+        data = read_config_bytes(path)
     except OSError as error:
         raise ConfigError(
             owner=owner, field="file", value=str(path), reason=f"cannot be read: {error}"
+        ) from None
+    except ValueError as error:
+        raise ConfigError(
+            owner=owner,
+            field="file",
+            value=str(path),
+            reason=str(error),
+            allowed=f"a file of at most {MAX_CONFIG_BYTES} bytes",
         ) from None
     kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
     try:

@@ -464,6 +464,8 @@ class _SlotClass:
         io: _SlotIO,
         file_bits: int,
         exact: bool,
+        *,
+        read_only: bool = False,
     ) -> None:
         self.namespace = namespace
         self.directory = directory
@@ -480,7 +482,12 @@ class _SlotClass:
         self._fds: list[int | None] = [None] * data_files
         self._fd_lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
-        self._lock_fd = _open_created(directory / _LOCK_FILE, os.O_RDWR, file_bits, exact)
+        # Only writers lock; a read-only open must not create a missing lock file.
+        self._lock_fd: int | None = (
+            None
+            if read_only
+            else _open_created(directory / _LOCK_FILE, os.O_RDWR, file_bits, exact)
+        )
 
     def path(self, file: int) -> Path:
         return self.directory / f"{file:05d}.data"
@@ -535,24 +542,34 @@ class _SlotClass:
     @contextlib.contextmanager
     def locked(self, set_id: int) -> Iterator[None]:
         """Hold set ``set_id`` against every other writer, in this and other processes."""
+        lock_fd = self._writer_lock()
         with self._stripes[set_id % _STRIPES]:
-            _ofd_lock(self._lock_fd, set_id, 1)
+            _ofd_lock(lock_fd, set_id, 1)
             try:
                 yield
             finally:
-                _ofd_unlock(self._lock_fd, set_id, 1)
+                _ofd_unlock(lock_fd, set_id, 1)
 
     @contextlib.contextmanager
     def locked_all(self) -> Iterator[None]:
         """Hold every set of the class."""
+        lock_fd = self._writer_lock()
         with contextlib.ExitStack() as stack:
             for stripe in self._stripes:
                 stack.enter_context(stripe)
-            _ofd_lock(self._lock_fd, 0, 0)
+            _ofd_lock(lock_fd, 0, 0)
             try:
                 yield
             finally:
-                _ofd_unlock(self._lock_fd, 0, 0)
+                _ofd_unlock(lock_fd, 0, 0)
+
+    def _writer_lock(self) -> int:
+        if self._lock_fd is None:
+            raise StateError(
+                subject=f"hf3fs slot class {self.directory}",
+                reason="opened read-only: it takes no writer locks",
+            )
+        return self._lock_fd
 
     def close(self) -> None:
         with self._fd_lock:
@@ -562,7 +579,8 @@ class _SlotClass:
                 with contextlib.suppress(OSError):
                     self._io.deregister(fd)
                 os.close(fd)
-        os.close(self._lock_fd)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
 
 
 @attrs.define
@@ -882,6 +900,7 @@ class Hf3fsBackend:
             self._io,
             self._file_bits,
             self._file_exact,
+            read_only=self._config.read_only,
         )
 
     def _class_for_write(self, namespace: Namespace, slot_size: int) -> _SlotClass:

@@ -875,6 +875,17 @@ class MooncakeBackend:
             return PutResult.stored_of(request)
         if code == OBJECT_ALREADY_EXISTS:
             return PutResult.present_of(key)
+        segment = self._config.global_segment_size
+        if code == NO_AVAILABLE_HANDLE and 0 < segment < HEADER_SIZE + request.nbytes:
+            # No eviction makes room for an object larger than a whole segment.
+            too_big = CapacityError(
+                resource="one Mooncake segment (global_segment_size)",
+                requested=HEADER_SIZE + request.nbytes,
+                available=segment,
+                hint="the value exceeds the segment, so no retry can store it; "
+                "raise global_segment_size or store smaller objects",
+            )
+            return PutResult.error_of(key, too_big)
         if code == NO_AVAILABLE_HANDLE:
             full = CapacityError(
                 resource="Mooncake cluster segments",
