@@ -82,6 +82,7 @@ from sglang_storage.core import (
 from sglang_storage.errors import (
     BackendIOError,
     BackendUnavailableError,
+    CapacityError,
     ConfigError,
     CorruptObjectError,
     StateError,
@@ -248,6 +249,8 @@ class FileBackend:
         )
         self._stats = StatsRecorder()
         self._quarantined = 0
+        self._quarantine_bytes = 0
+        """Bytes under ``quarantine/``, held against the cap as a standing reservation."""
         self._lock = threading.Lock()
         self._threads = IOThreads(config.io_threads, self.name)
         self._closed = False
@@ -405,6 +408,8 @@ class FileBackend:
             self._index.add(key, size)
         if not self._config.read_only:
             self._delete_files(self._index.over_capacity())
+            held = self._quarantine_bytes  # what quarantining at this scan already held
+            self._hold_quarantined(_allocated_under(self._quarantine_dir) - held)
 
     def _sized_by_header(self, key: ObjectKey, status: os.stat_result) -> bool:
         """Whether the suspicious file of ``key`` may be indexed at its size (see above)."""
@@ -680,8 +685,11 @@ class FileBackend:
             reason = self._verify(read)
         if reason is not None:
             scrub(request.buffers)
-            self._quarantine(read.inode, key)
             corrupt = CorruptObjectError(key=str(key), reason=reason)
+            if self._asked_amiss(read):  # a caller error: the object itself is intact
+                log.warning("file backend: %s; kept (asked for with another spec)", corrupt)
+                return GetResult.corrupt_of(key, corrupt)
+            self._quarantine(read.inode, key)
             log.warning("file backend: %s; quarantined", corrupt)
             return GetResult.corrupt_of(key, corrupt)
         self._index.touch(key, HEADER_SIZE + request.nbytes)
@@ -737,6 +745,93 @@ class FileBackend:
             or "header differs from the expected one"
         )
 
+    def _asked_amiss(self, read: _Read) -> bool:
+        """Whether the header read is an intact header of this very key with another spec.
+
+        Such an object is whole as it was written; the caller asked for it with the wrong
+        dtype, shape or layout, which is no reason to quarantine it.
+        """
+        request, got = read.request, read.got
+        if read.link or read.not_regular or got < HEADER_SIZE:
+            return False
+        try:
+            decoded = decode_header(read.header, where=str(request.key))
+        except CorruptObjectError:
+            return False
+        return decoded.key == request.key and decoded.spec != request.spec
+
+    def _hold_quarantined(self, nbytes: int) -> None:
+        """Count ``nbytes`` more quarantined bytes against the cap, evicting as a put would.
+
+        A damaged object's bytes move from the index to this reservation, so they stay
+        counted. What eviction cannot make room for (a quarantine found at open larger
+        than the cap) is only logged: purge it with ``sglang-storage fsck
+        --purge-quarantine``.
+        """
+        if nbytes <= 0:
+            return
+        try:
+            victims = self._index.reserve(nbytes)
+        except CapacityError:
+            log.warning(
+                "file backend: %d quarantined bytes do not fit under the cap; purge them "
+                "with `sglang-storage fsck --purge-quarantine`",
+                nbytes,
+            )
+            return
+        with self._lock:
+            self._quarantine_bytes += nbytes
+        self._delete_files(victims)
+
+    def _release_quarantined(self, nbytes: int) -> None:
+        """Give back the reservation of ``nbytes`` quarantined bytes that were purged."""
+        with self._lock:
+            nbytes = min(nbytes, self._quarantine_bytes)
+            self._quarantine_bytes -= nbytes
+        self._index.release(nbytes)
+
+    @property
+    def quarantine_bytes(self) -> int:
+        """Bytes this instance counts under ``quarantine/`` (against the cap, if any)."""
+        with self._lock:
+            return self._quarantine_bytes
+
+    def purge_quarantine(self, *, dry_run: bool = False) -> list[tuple[str, int]]:
+        """Remove what this backend moved to ``quarantine/``; returns ``(path, bytes)`` of each.
+
+        Only regular files named as the backend names them (``<ns>.<pid>.<object
+        name>``) are removed; anything else there is kept. ``dry_run`` lists them only.
+
+        Raises:
+            StateError: the backend was opened read-only (unless ``dry_run``).
+        """
+        self._check_open()
+        if not dry_run:
+            self._check_writable("purge the quarantine")
+        removed: list[tuple[str, int]] = []
+        try:
+            quarantine_fd = self._store_dir(self._quarantine_dir)
+        except FileNotFoundError:
+            return removed
+        try:
+            for name in sorted(os.listdir(quarantine_fd)):
+                if not _QUARANTINED_NAME.fullmatch(name):
+                    continue
+                try:
+                    status = os.stat(name, dir_fd=quarantine_fd, follow_symlinks=False)
+                    if not stat.S_ISREG(status.st_mode):
+                        continue
+                    if not dry_run:
+                        os.unlink(name, dir_fd=quarantine_fd)
+                except FileNotFoundError:
+                    continue
+                removed.append((str(self._quarantine_dir / name), status.st_size))
+                if not dry_run:
+                    self._release_quarantined(_allocated(status))
+        finally:
+            os.close(quarantine_fd)
+        return removed
+
     def _quarantine(self, inode: int, key: ObjectKey) -> bool:
         """Move the corrupt file aside, unless another process has replaced it meanwhile.
 
@@ -759,6 +854,7 @@ class FileBackend:
             target = f"{time.time_ns()}.{os.getpid()}.{key.name}"
             os.rename(key.name, target, src_dir_fd=dir_fd, dst_dir_fd=quarantine_fd)
             self._keep_private(quarantine_fd, target)
+            moved = _allocated(os.stat(target, dir_fd=quarantine_fd, follow_symlinks=False))
         except OSError:
             return False
         finally:
@@ -767,6 +863,7 @@ class FileBackend:
                     os.close(fd)
         with self._lock:
             self._quarantined += 1
+        self._hold_quarantined(moved)
         return True
 
     # ------------------------------------------------------------------ writes
@@ -1074,6 +1171,8 @@ class FileBackend:
 
 
 _FAN_NAME: Final = re.compile(r"[0-9a-f]{2}")
+_QUARANTINED_NAME: Final = re.compile(r"[0-9]+\.[0-9]+\.[^/]+")
+"""How :meth:`FileBackend._quarantine` names what it moves aside."""
 _WHOLE: Final = (ObjectState.OK, ObjectState.WRONG_MODEL)
 _STORE_DIRS: Final = ("objects", "tmp", "quarantine")
 _CHUNK: Final = 1 << 20
@@ -1129,6 +1228,24 @@ def _inspect_file(
         identity=inode,
         exposed=open_to_others,
     )
+
+
+def _allocated(status: os.stat_result) -> int:
+    """The bytes a file takes on the medium, at most its length (a sparse file: its data)."""
+    return min(status.st_size, status.st_blocks * 512) if stat.S_ISREG(status.st_mode) else 0
+
+
+def _allocated_under(directory: Path) -> int:
+    """:func:`_allocated` summed over the entries of ``directory`` (0 when it is missing)."""
+    total = 0
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    total += _allocated(entry.stat(follow_symlinks=False))
+    except OSError:
+        return 0
+    return total
 
 
 def _first_hole(fd: int, status: os.stat_result) -> int | None:
