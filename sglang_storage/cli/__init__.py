@@ -8,6 +8,7 @@ Sub-commands, one module each:
   SGLang 0.5.23's ``HiCacheFile``, with a markdown report.
 - ``fsck`` (:mod:`.fsck`) - verify every stored object of a backend and optionally repair.
 - ``stats`` (:mod:`.stats`) - what a backend holds.
+- ``clear`` (:mod:`.clear`) - delete every stored object of one model.
 - ``config`` (:mod:`.config_check`) - validate a storage config file (``--storage-config``)
   and print the effective settings.
 
@@ -52,6 +53,7 @@ COMMANDS: Final = {
     "bench": ("bench", "backend micro-benchmarks, optionally against SGLang's HiCacheFile"),
     "fsck": ("fsck", "verify every stored object of a backend; --repair fixes what is wrong"),
     "stats": ("stats", "what a backend holds: objects, bytes, namespaces, data kinds"),
+    "clear": ("clear", "delete every stored object of one model (--model); shown first"),
     "config": ("config_check", "check a --storage-config file and print the effective settings"),
 }
 """Each command: its module in this package and the one line ``--help`` lists it with."""

@@ -45,8 +45,10 @@ __all__ = [
     "add_backend_arguments",
     "backend_choice",
     "inspect_options",
+    "on_terminal",
     "open_backend",
     "register",
+    "repair_options",
     "say",
     "scannable",
 ]
@@ -299,6 +301,12 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         help="the model fingerprint the store should hold; objects of others are wrong_model",
     )
     parser.add_argument(
+        "--purge-quarantine",
+        action="store_true",
+        help="empty the quarantine (only what the backend moved there) instead of checking; "
+        "shown first, as --repair",
+    )
+    parser.add_argument(
         "--headers-only",
         action="store_true",
         help="check headers and sizes but skip reading payloads (fast; no payload checksums)",
@@ -310,13 +318,17 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.model is not None and not args.model:
             raise UsageError("--model: empty fingerprint")
-        if (args.dry_run or args.yes) and not args.repair:
-            raise UsageError("--dry-run and --yes go with --repair")
+        if (args.dry_run or args.yes) and not (args.repair or args.purge_quarantine):
+            raise UsageError("--dry-run and --yes go with --repair or --purge-quarantine")
+        if args.purge_quarantine and args.repair:
+            raise UsageError("--purge-quarantine and --repair are separate runs; give one")
         if args.dry_run and args.yes:
             raise UsageError("--dry-run and --yes contradict each other; give one")
         choice = backend_choice(args)
         if args.adopt:
             choice = _adopting(choice)
+        if args.purge_quarantine:
+            return _purge(args, choice)
         return _check(args, choice)
     except UsageError as error:
         return _fail(args, EXIT_USAGE, str(error))
@@ -330,7 +342,7 @@ def _adopting(choice: BackendChoice) -> BackendChoice:
     return attrs.evolve(choice, options={**choice.options, "adopt": True})
 
 
-def _on_terminal() -> bool:
+def on_terminal() -> bool:
     """Whether a person is at the command (stdin is a terminal)."""
     try:
         return sys.stdin is not None and sys.stdin.isatty()
@@ -345,7 +357,7 @@ def _check(args: argparse.Namespace, choice: BackendChoice) -> int:
         )
     scan_options = inspect_options(choice)
     backend = open_backend(choice.name, scan_options)
-    dry_run = args.repair and (args.dry_run or (not args.yes and _on_terminal()))
+    dry_run = args.repair and (args.dry_run or (not args.yes and on_terminal()))
     try:
         reports = list(
             scannable(backend, choice.name).scan(payloads=not args.headers_only, model=args.model)
@@ -358,7 +370,7 @@ def _check(args: argparse.Namespace, choice: BackendChoice) -> int:
             if scan_options.get("read_only") is True:
                 # Writable now, but with no clean-up at open: only what was shown changes.
                 backend.close()
-                backend = open_backend(choice.name, _repair_options(choice))
+                backend = open_backend(choice.name, repair_options(choice))
             repairs = scannable(backend, choice.name).repair(problems)
     finally:
         backend.close()
@@ -373,7 +385,52 @@ def _check(args: argparse.Namespace, choice: BackendChoice) -> int:
     return status
 
 
-def _repair_options(choice: BackendChoice) -> dict[str, object]:
+def _purge(args: argparse.Namespace, choice: BackendChoice) -> int:
+    """Empty the quarantine of the chosen backend (a plan only, in a dry run)."""
+    if choice.options.get("read_only") is True:
+        raise UsageError(
+            '--purge-quarantine needs a writable backend: drop "read_only" from --backend-config'
+        )
+    dry_run = args.dry_run or (not args.yes and on_terminal())
+    backend = open_backend(
+        choice.name, inspect_options(choice) if dry_run else repair_options(choice)
+    )
+    try:
+        purge = getattr(backend, "purge_quarantine", None)
+        if purge is None:
+            raise UsageError(f"--purge-quarantine: the {choice.name} backend keeps no quarantine")
+        removed: list[tuple[str, int]] = purge(dry_run=dry_run)
+    finally:
+        backend.close()
+    nbytes = sum(size for _, size in removed)
+    if args.json:
+        document = {
+            "schema": JSON_SCHEMA,
+            "command": "fsck",
+            "backend": choice.name,
+            "purge_quarantine": [{"location": path, "bytes": size} for path, size in removed],
+            "dry_run": dry_run,
+            "bytes": nbytes,
+            "exit_status": EXIT_CLEAN,
+        }
+        say(json.dumps(document, indent=1))
+        return EXIT_CLEAN
+    verb = "would remove" if dry_run else "removed"
+    for path, size in removed:
+        say(f"  {verb:<12} {path} ({format_bytes(size)})")
+    if dry_run:
+        why = "--dry-run" if args.dry_run else "stdin is a terminal"
+        say(
+            f"quarantine: {len(removed)} file(s), {format_bytes(nbytes)}; dry run ({why}): "
+            "nothing was changed; run again with --purge-quarantine --yes to remove them"
+        )
+    else:
+        say(f"quarantine purged: removed {len(removed)} file(s), {format_bytes(nbytes)}")
+    return EXIT_CLEAN
+
+
+def repair_options(choice: BackendChoice) -> dict[str, object]:
+    """The chosen options for a writable open that cleans nothing up at open."""
     options = dict(choice.options)
     if "clean_at_open" in attrs.fields_dict(backend_entry(choice.name).config_type):
         options["clean_at_open"] = False
