@@ -181,6 +181,8 @@ def _json_object(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise _bad(f"is not valid JSON ({error.msg} at column {error.colno})") from None
+    except RecursionError:
+        raise _bad("is nested too deeply to be options") from None
     if not isinstance(value, dict):
         raise _bad(f"must be a JSON object, got {type(value).__name__}")
     return value

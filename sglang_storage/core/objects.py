@@ -442,7 +442,9 @@ class GetOutcome(enum.Enum):
     MISS = "miss"
     """No such object."""
     CORRUPT = "corrupt"
-    """An object was there but failed verification; it was quarantined, nothing delivered."""
+    """An object was there but failed verification (or was asked for with another spec);
+    nothing was delivered. A damaged object is quarantined; one asked for with the wrong spec
+    stays (the caller's mistake)."""
     ERROR = "error"
     """The read failed (I/O error, timeout, backend down); ``error`` says why."""
 

@@ -101,7 +101,7 @@ def test_an_oversized_config_file_is_refused_unread(tmp_path: Path, ledger: Ledg
 _DEEP: Final = "[" * 100_000 + "]" * 100_000
 
 
-@pytest.mark.parametrize("command", ["fsck", "stats", "replay"])
+@pytest.mark.parametrize("command", ["fsck", "stats", "replay", "bench"])
 def test_a_deeply_nested_backend_config_is_a_usage_error(
     tmp_path: Path, command: str, ledger: Ledger
 ) -> None:
