@@ -1175,8 +1175,11 @@ class Hf3fsBackend:
         if self._header_at(cls, slot) != raw:
             # Rewritten while it was being read: the object was replaced, not damaged.
             return None
-        self._quarantine(cls, slot, raw, key)
         corrupt = CorruptObjectError(key=str(key), reason=reason)
+        if _asked_amiss(raw, request):  # a caller error: the slot itself is intact
+            log.warning("hf3fs backend: %s; kept (asked for with another spec)", corrupt)
+            return GetResult.corrupt_of(key, corrupt)
+        self._quarantine(cls, slot, raw, key)
         log.warning("hf3fs backend: %s; quarantined", corrupt)
         return GetResult.corrupt_of(key, corrupt)
 
@@ -1650,6 +1653,15 @@ def _namespace_prefix(namespace: Namespace) -> bytes:
     """The header's first two length-prefixed names (model, shard) for ``namespace``."""
     model, shard = namespace.model.encode(), namespace.shard.label.encode()
     return bytes([len(model)]) + model + bytes([len(shard)]) + shard
+
+
+def _asked_amiss(raw: bytes, request: GetRequest) -> bool:
+    """Whether ``raw`` is an intact header of the requested key with another spec."""
+    try:
+        decoded = decode_header(raw, where=str(request.key))
+    except CorruptObjectError:
+        return False
+    return decoded.key == request.key and decoded.spec != request.spec
 
 
 def _claims(raw: bytes, key: ObjectKey) -> bool:

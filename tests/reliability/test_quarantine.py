@@ -1,4 +1,4 @@
-"""The ``file`` backend's quarantine: bounded by the cap, and only for damaged objects.
+"""The ``file`` and ``hf3fs`` backends' quarantine: bounded by the cap, and only for damaged objects.
 
 A read that asks for a whole object with the wrong spec is the caller's mistake: it is
 refused (nothing delivered) and the object stays, readable with its own spec. Objects
@@ -127,3 +127,34 @@ def test_purging_the_quarantine_frees_its_room_and_keeps_strays(
                 PutOutcome.STORED
             )
         assert store.exists([NS.key(f"n{i}") for i in range(14)]) == [True] * 14
+
+
+def test_hf3fs_keeps_a_slot_read_with_the_wrong_spec(tmp_path: Path, ledger: Ledger) -> None:
+    from sglang_storage.storage import Hf3fsBackend, Hf3fsBackendConfig
+
+    root = tmp_path / "hf3fs"
+    root.mkdir()
+    config = Hf3fsBackendConfig(
+        root=root, allow_non_3fs=True, data_file_size=1 << 20, data_files=2, client="posix"
+    )
+    key = NS.key("whole")
+    data = pattern(key, SPEC.nbytes)
+    with Hf3fsBackend(config) as store:
+        assert put_bytes(store, key, SPEC, data).outcome is PutOutcome.STORED
+        for other in (  # the same size: the same slot class, another spec in the header
+            ObjectSpec(dtype="bfloat16", shape=(64, 512), layout="page_first"),
+            ObjectSpec(dtype="float16", shape=(512, 64), layout="page_first"),
+            ObjectSpec(dtype="float16", shape=(64, 512), layout="layer_first"),
+        ):
+            ledger.fault("wrong_spec")
+            ledger.operation()
+            result, got = get_bytes(store, key, other)
+            assert result.outcome is GetOutcome.CORRUPT
+            assert got == bytes(other.nbytes)
+        assert store.quarantined == 0
+        ledger.operation()
+        result, got = get_bytes(store, key, SPEC)
+        assert result.outcome is GetOutcome.HIT
+        if got != data:
+            ledger.wrong(len(data))
+        assert got == data
