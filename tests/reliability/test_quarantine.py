@@ -1,4 +1,4 @@
-"""The ``file`` and ``hf3fs`` backends' quarantine: bounded by the cap, and only for damaged objects.
+"""The ``file`` and ``hf3fs`` quarantine: bounded by the cap, and only for damaged objects.
 
 A read that asks for a whole object with the wrong spec is the caller's mistake: it is
 refused (nothing delivered) and the object stays, readable with its own spec. Objects
