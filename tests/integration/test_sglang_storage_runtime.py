@@ -299,7 +299,9 @@ def test_kv_decode_and_embedding_share_one_capped_backend(
             dtype=torch.bfloat16,
         )
         hashes = [f"{i:016x}" for i in (0xA1, 0xB2, 0xC3)]
-        embeddings = [torch.ones((64, EMBED_DIM), dtype=torch.bfloat16) * i for i in (1, 2, 3)]
+        # 64 KiB each: all three can be in flight at once under the 256 KiB cap (two
+        # 128 KiB writes could not: the second would be refused while the first runs).
+        embeddings = [torch.ones((32, EMBED_DIM), dtype=torch.bfloat16) * i for i in (1, 2, 3)]
         staged = controller.store_to_pool_async(hashes, embeddings, Modality.IMAGE)
         controller.wait_store_to_pool(staged)
         controller.insert_batch(hashes, Modality.IMAGE)
