@@ -72,10 +72,9 @@ from sglang_storage_adapters import metrics, require_supported_sglang
 from sglang_storage_adapters.device_checks import check_device_pools
 from sglang_storage_adapters.ranks import rank_sync
 from sglang_storage_adapters.runtime import (
-    RuntimeSettings,
     process_rank_layout,
     process_runtime,
-    runtime_settings,
+    published_settings,
 )
 
 require_supported_sglang()
@@ -106,19 +105,6 @@ TARGET: Final = (
 
 _OWNER: Final = "sglang_storage decode offload adapter"
 _BYTES_PER_GB: Final = 10**9  # SGLang's --hicache-size unit
-
-
-def _settings() -> RuntimeSettings | None:
-    """This process's sglang_storage settings, or ``None`` (no config published, or not on).
-
-    Read from SGLang's resolved ``memory`` namespace (where its own decode offload class
-    reads ``hicache_storage_backend*``), not the raw server args.
-    """
-    try:
-        memory = get_memory()
-    except ValueError:  # SGLang's "config namespace ... not published"
-        return None
-    return runtime_settings(memory)
 
 
 def host_pool_geometry(kv_cache: Any, page_size: int) -> KVGeometry:
@@ -220,7 +206,7 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """This adapter when sglang_storage serves ``decode``, else SGLang's own class."""
-        settings = _settings()
+        settings = published_settings()
         if cls is DecodeOffloadAdapter and (settings is None or not settings.enabled("decode")):
             # SGLang's class is reached through the base: HookRegistry rebinds every module
             # attribute that is SGLang's class, a private alias here included.
@@ -236,7 +222,7 @@ class DecodeOffloadAdapter(_sglang_decode.DecodeKVCacheOffloadManager):  # type:
         tp_group: Any,
         tree_cache: Any,
     ) -> None:
-        settings = _settings()
+        settings = published_settings()
         if settings is None:
             raise ConfigError(
                 owner=_OWNER,

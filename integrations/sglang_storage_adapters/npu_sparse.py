@@ -55,12 +55,14 @@ from sglang_storage.managers import observability
 from sglang_storage.managers.sparse import SparseKVConfig, SparseKVManager
 from sglang_storage.memory import Attention, KVGeometry, KVHostPool, KVLayout
 from sglang_storage_adapters import require_supported_sglang
-from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
+from sglang_storage_adapters.runtime import (
+    process_runtime,
+    published_settings,
+)
 
 require_supported_sglang()
 
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
-from sglang.srt.runtime_context import get_memory  # noqa: E402
 
 __all__ = ["COMPONENT", "MANAGER", "MODULE", "TARGET", "NpuSparseAdapter", "install"]
 
@@ -78,14 +80,6 @@ COMPONENT: Final = "sparse"
 _OWNER: Final = "sglang_storage NPU sparse KV adapter"
 _EVENTS: Final = ("hit_done", "miss_done", "refill_done", "slot_map_done")
 _original: list[type] = []  # SGLang's class, kept by install()
-
-
-def _settings() -> RuntimeSettings | None:
-    try:
-        memory = get_memory()
-    except ValueError:  # SGLang's "config namespace ... not published"
-        return None
-    return runtime_settings(memory)
 
 
 def _refuse(field: str, value: object, reason: str, allowed: str | None = None) -> ConfigError:
@@ -135,7 +129,7 @@ class NpuSparseAdapter:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """This adapter when sglang_storage serves ``npu-sparse``, else SGLang's own class."""
-        settings = _settings()
+        settings = published_settings()
         if cls is NpuSparseAdapter and (settings is None or not settings.enabled(MANAGER)):
             if not _original:
                 raise StateError(subject=_OWNER, reason="install() has not found SGLang's class")
@@ -151,7 +145,7 @@ class NpuSparseAdapter:
         pool = token_to_kv_pool_allocator.get_kvcache()
         if not isinstance(pool, MLATokenToKVPool):
             raise _refuse("kvcache", type(pool).__name__, "is not served", "MLATokenToKVPool")
-        settings = _settings()
+        settings = published_settings()
         if settings is None:
             raise _refuse(
                 "--storage-managers",

@@ -60,6 +60,7 @@ __all__ = [
     "parse_settings",
     "process_rank_layout",
     "process_runtime",
+    "published_settings",
     "runtime_settings",
     "storage_rank_layout",
 ]
@@ -327,6 +328,25 @@ def runtime_settings(server_args: object) -> RuntimeSettings | None:
     if path is None:
         path = _published_file_storage_path()
     return parse_settings(extra, file_storage_path=path if isinstance(path, str) else None)
+
+
+def published_settings() -> RuntimeSettings | None:
+    """This process's settings from SGLang's resolved ``memory`` namespace, or ``None``.
+
+    ``None`` when SGLang has published no configuration in this process or sglang_storage
+    is not on. Where SGLang's own components read ``hicache_storage_backend*`` (decode
+    offload, HiSparse, the NPU sparse manager), the adapters read them too.
+
+    Raises:
+        ConfigError: as :func:`runtime_settings`.
+    """
+    from sglang.srt.runtime_context import get_memory
+
+    try:
+        memory = get_memory()
+    except ValueError:  # SGLang's "config namespace ... not published"
+        return None
+    return runtime_settings(memory)
 
 
 def _published_file_storage_path() -> str | None:

@@ -70,7 +70,10 @@ from sglang_storage.managers.sparse import SparseKVConfig, SparseKVManager
 from sglang_storage.memory import Attention, KVGeometry, KVHostPool, KVLayout
 from sglang_storage.transfer import DeviceHostPipeline, DeviceKV
 from sglang_storage_adapters import metrics, require_supported_sglang
-from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
+from sglang_storage_adapters.runtime import (
+    process_runtime,
+    published_settings,
+)
 
 require_supported_sglang()
 
@@ -80,7 +83,6 @@ from sglang.srt.mem_cache.allocator.hisparse import (  # noqa: E402
     HiSparseTokenToKVPoolAllocator,
 )
 from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool  # noqa: E402
-from sglang.srt.runtime_context import get_memory  # noqa: E402
 
 __all__ = ["TARGET", "HiSparseAdapter", "install"]
 
@@ -90,14 +92,6 @@ TARGET: Final = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
 """The class :func:`install` replaces."""
 
 _OWNER: Final = "sglang_storage HiSparse adapter"
-
-
-def _settings() -> RuntimeSettings | None:
-    try:
-        memory = get_memory()
-    except ValueError:  # SGLang's "config namespace ... not published"
-        return None
-    return runtime_settings(memory)
 
 
 def _refuse(field: str, value: object, reason: str, allowed: str | None = None) -> ConfigError:
@@ -125,7 +119,7 @@ class HiSparseAdapter(_sglang_hisparse.HiSparseCoordinator):  # type: ignore[mis
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """This adapter when sglang_storage serves ``sparse``, else SGLang's own class."""
-        settings = _settings()
+        settings = published_settings()
         if cls is HiSparseAdapter and (settings is None or not settings.enabled("sparse")):
             original: Any = object.__new__(HiSparseAdapter.__bases__[0])
             original.__init__(*args, **kwargs)
@@ -203,7 +197,7 @@ class HiSparseAdapter(_sglang_hisparse.HiSparseCoordinator):  # type: ignore[mis
             head_num=1,
             head_dim=int(pool.kv_cache_dim),
         )
-        settings = _settings()
+        settings = published_settings()
         if settings is None:
             raise _refuse(
                 "--storage-managers",
