@@ -16,6 +16,9 @@ the typed host pools. Imports only the shared base (:mod:`sglang_storage.errors`
   one budgeted buffer, closed-state checks, ``close()`` refused while transfers pin data.
 - Pools: :class:`KVHostPool` (SGLang's KV layouts, :mod:`.layouts`), :class:`EmbeddingPool`,
   :class:`RecordPool`, :class:`BlobPool`; each reports :class:`PoolStats`.
+- :class:`MappedRegion` (:mod:`.mapped`) - a mapped host region (anonymous, memfd shared by
+  a host's processes, or file-backed) with huge pages, a verified backing report and CUDA
+  registration, charged to the budget once however many processes map it.
 - :func:`tensor_bytes`, :func:`tensor_spec` (:mod:`.tensors`) - host tensors as byte views
   and stored-object specs.
 """
@@ -45,6 +48,18 @@ from sglang_storage.memory.host import (
 )
 from sglang_storage.memory.kv import KVHostPool, KVLayerView
 from sglang_storage.memory.layouts import KV_DTYPES, Attention, KVGeometry, KVLayout
+from sglang_storage.memory.mapped import (
+    BackingReport,
+    BudgetCharge,
+    MappedRegion,
+    MappedRegionConfig,
+    MappingMode,
+    RegionState,
+    Registration,
+    SharedHandle,
+    read_backing,
+    thp_mode,
+)
 from sglang_storage.memory.records import (
     Blob,
     BlobPool,
@@ -59,9 +74,11 @@ from sglang_storage.memory.tensors import dtype_name, tensor_bytes, tensor_spec
 __all__ = [
     "KV_DTYPES",
     "Attention",
+    "BackingReport",
     "Blob",
     "BlobPool",
     "BlobPoolConfig",
+    "BudgetCharge",
     "BudgetConfig",
     "BudgetStats",
     "CudaRuntime",
@@ -80,6 +97,9 @@ __all__ = [
     "KVLayout",
     "KindUsage",
     "Lease",
+    "MappedRegion",
+    "MappedRegionConfig",
+    "MappingMode",
     "MemoryFacts",
     "PinnedAllocator",
     "Pinning",
@@ -87,14 +107,19 @@ __all__ = [
     "PoolStats",
     "RecordPool",
     "RecordPoolConfig",
+    "RegionState",
+    "Registration",
     "Run",
+    "SharedHandle",
     "SlotAllocator",
     "SlotPool",
     "SlotStats",
     "cuda_available",
     "dtype_name",
     "make_allocator",
+    "read_backing",
     "read_memory_facts",
     "tensor_bytes",
     "tensor_spec",
+    "thp_mode",
 ]
