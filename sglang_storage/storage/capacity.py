@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
-from sglang_storage.core import EvictionPolicy
+from sglang_storage.core import EvictionPolicy, Namespace, ObjectKey
 from sglang_storage.errors import CapacityError, ConfigError
 
-__all__ = ["CapacityIndex"]
+__all__ = ["CapacityIndex", "KeySlots"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -68,8 +68,8 @@ class CapacityIndex(Generic[K]):
             return len(self._sizes), self._bytes
 
     def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._sizes
+        # One dict lookup is atomic: no lock on the hot path of ``exists``.
+        return key in self._sizes
 
     def size_of(self, key: K) -> int | None:
         """The indexed size of ``key``, or ``None``."""
@@ -224,3 +224,71 @@ class CapacityIndex(Generic[K]):
             victims = self._policy.evict(need)
             self._bytes -= sum(self._sizes.pop(v) for v in victims)
             return victims
+
+
+_TEXT: Final = 1 << 31
+"""Set in a slot's namespace number when the name is stored as UTF-8, not as hex digits."""
+_NAMESPACES_MAX: Final = _TEXT - 1
+
+
+class KeySlots:
+    """Each :class:`~sglang_storage.core.ObjectKey` as one compact ``bytes``, and back.
+
+    A slot is a 4-byte number of the key's namespace (numbered on first sight, per
+    instance) followed by the name: its bytes when the name is lowercase hex digits (a
+    page hash: 32 bytes for 64 digits), else its UTF-8 with a flag in the number. Distinct
+    keys have distinct slots, and :meth:`key` rebuilds the key from its slot. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._prefixes: dict[str, tuple[bytes, bytes]] = {}
+        self._namespaces: list[Namespace] = []
+        self._lock = threading.Lock()
+
+    def slot(self, key: ObjectKey) -> bytes:
+        """The slot of ``key``."""
+        prefixes = self._prefixes.get(key.namespace.path)
+        if prefixes is None:
+            prefixes = self._number(key.namespace)
+        name = key.name
+        try:
+            raw = bytes.fromhex(name)
+        except ValueError:
+            return prefixes[1] + name.encode()
+        # fromhex also takes uppercase digits (and whitespace, which no name holds).
+        return prefixes[0] + raw if raw.hex() == name else prefixes[1] + name.encode()
+
+    def key(self, slot: bytes) -> ObjectKey:
+        """The key whose slot ``slot`` is.
+
+        Raises:
+            KeyError: ``slot`` is no slot of this instance.
+        """
+        number = int.from_bytes(slot[:4], "big")
+        try:
+            namespace = self._namespaces[number & ~_TEXT]
+        except IndexError:
+            raise KeyError(slot) from None
+        name = slot[4:].decode() if number & _TEXT else slot[4:].hex()
+        return ObjectKey(namespace=namespace, name=name)
+
+    def prefixes(self, namespace: Namespace) -> tuple[bytes, bytes] | None:
+        """How every slot of ``namespace`` starts (hex names, other names); None if unseen."""
+        return self._prefixes.get(namespace.path)
+
+    def _number(self, namespace: Namespace) -> tuple[bytes, bytes]:
+        with self._lock:
+            prefixes = self._prefixes.get(namespace.path)
+            if prefixes is None:
+                number = len(self._namespaces)
+                if number > _NAMESPACES_MAX:
+                    raise CapacityError(
+                        resource="namespaces of one key index",
+                        requested=number + 1,
+                        available=_NAMESPACES_MAX,
+                        hint="reopen the backend",
+                    )
+                self._namespaces.append(namespace)
+                prefixes = (number.to_bytes(4, "big"), (number | _TEXT).to_bytes(4, "big"))
+                self._prefixes[namespace.path] = prefixes
+            return prefixes

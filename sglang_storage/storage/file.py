@@ -62,9 +62,9 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 
 import attrs
 import xxhash
@@ -95,7 +95,7 @@ from sglang_storage.storage.backend import (
     count_prefix,
     scrub,
 )
-from sglang_storage.storage.capacity import CapacityIndex
+from sglang_storage.storage.capacity import CapacityIndex, KeySlots
 from sglang_storage.storage.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -244,8 +244,17 @@ class FileBackend:
         self._umask = process_umask()
         self._set_mode(config.file_mode or FileMode.PRIVATE)
         self._quarantine_dir = real / "quarantine"
-        self._index: CapacityIndex[ObjectKey] = CapacityIndex(
-            config.capacity_bytes, eviction, owner=f"file backend at {self._root}"
+        self._slots = KeySlots()
+        self._ordered = eviction is not None
+        # Without a policy the index holds each object as one compact slot (bytes);
+        # a policy is handed the ObjectKeys themselves (and holds them anyway).
+        self._slot: Callable[[ObjectKey], _Slot] = _same_key if self._ordered else self._slots.slot
+        self._sizes: dict[int, int] = {}
+        """The distinct object sizes seen at open, each indexed size one shared int."""
+        self._index: CapacityIndex[_Slot] = CapacityIndex(
+            config.capacity_bytes,
+            cast("EvictionPolicy[_Slot] | None", eviction),
+            owner=f"file backend at {self._root}",
         )
         self._stats = StatsRecorder()
         self._quarantined = 0
@@ -387,27 +396,27 @@ class FileBackend:
         account for its size is quarantined, a valid one larger than the cap is evicted
         (it can never fit), so neither makes the cap evict the store's other objects.
         """
-        found: list[tuple[float, ObjectKey, int]] = []
-        capacity = self._config.capacity_bytes
-        # Objects of one store come in few sizes: one int object each, not one per key
-        # (28 bytes of the index's footprint per object).
-        sizes: dict[int, int] = {}
-        for key, entry in self._scan():
-            try:
-                status = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            size = status.st_size
-            holes = status.st_blocks * 512 < size
-            suspicious = holes or (capacity is not None and size > capacity)
-            if suspicious and not self._sized_by_header(key, status):
-                continue
-            found.append((status.st_mtime, key, sizes.setdefault(size, size)))
-        found.sort(key=lambda item: item[0])
-        for _, key, size in found:
-            self._index.add(key, size)
+        # Only a policy cares about the order: without one, objects go straight in.
+        ordered: list[tuple[float, _Slot, int]] = []
+        add = self._index.add
+        # One thread: spread over the I/O threads it was slower (the work between the
+        # system calls holds the GIL).
+        for job in self._fans():
+            found, odd = self._scan_fan(job)
+            for key, status in odd:
+                if self._sized_by_header(key, status):
+                    found.append((self._slot(key), status.st_size, status.st_mtime))
+            if self._ordered:
+                ordered.extend((mtime, slot, size) for slot, size, mtime in found)
+            else:
+                for slot, size, _ in found:
+                    add(slot, size)
+        ordered.sort(key=lambda item: item[0])
+        for _, slot, size in ordered:
+            add(slot, size)
+        del ordered
         if not self._config.read_only:
-            self._delete_files(self._index.over_capacity())
+            self._delete_slots(self._index.over_capacity())
             held = self._quarantine_bytes  # what quarantining at this scan already held
             self._hold_quarantined(_allocated_under(self._quarantine_dir) - held)
 
@@ -450,7 +459,8 @@ class FileBackend:
             return None
         return header if header.key == key else None
 
-    def _scan(self) -> Iterator[tuple[ObjectKey, os.DirEntry[str]]]:
+    def _fans(self) -> Iterator[tuple[Namespace, os.DirEntry[str]]]:
+        """Every fan directory of every namespace under ``objects/``."""
         for model in subdirs(self._objects_dir):
             for kind in subdirs(Path(model.path)):
                 for shard in subdirs(Path(kind.path)):
@@ -458,16 +468,37 @@ class FileBackend:
                     if namespace is None or namespace.shard.label != shard.name:
                         continue  # "tp0of1" parses, but path_of never looks there
                     for fan in subdirs(Path(shard.path)):
-                        for entry in os.scandir(fan.path):
-                            key = _key_of(namespace, entry.name)
-                            # A file outside its own fan directory is not where path_of
-                            # looks: it is no object of this store (fsck reports it).
-                            if (
-                                key is not None
-                                and fan.name == _fan(key.name)
-                                and entry.is_file(follow_symlinks=False)
-                            ):
-                                yield key, entry
+                        yield namespace, fan
+
+    def _scan_fan(self, job: tuple[Namespace, os.DirEntry[str]]) -> _FanScan:
+        """The objects in one fan directory: ``(slot, size, mtime)`` each, and odd files.
+
+        Odd: with holes, or larger than the cap (the caller sizes them by their header).
+        """
+        namespace, fan = job
+        capacity = self._config.capacity_bytes
+        slot_of, sizes = self._slot, self._sizes
+        found: list[tuple[_Slot, int, float]] = []
+        odd: list[tuple[ObjectKey, os.stat_result]] = []
+        with os.scandir(fan.path) as listing:
+            files = [e for e in listing if e.is_file(follow_symlinks=False)]
+        for key, entry in zip(_keys_of(namespace, [e.name for e in files]), files, strict=True):
+            # A file outside its own fan directory is not where path_of looks: it is no
+            # object of this store (fsck reports it).
+            if key is None or fan.name != _fan(key.name):
+                continue
+            try:
+                status = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            size = status.st_size
+            if status.st_blocks * 512 < size or (capacity is not None and size > capacity):
+                odd.append((key, status))
+            else:
+                # Objects of one store come in few sizes: one int object each, not one
+                # per key (28 bytes of the index's footprint per object).
+                found.append((slot_of(key), sizes.setdefault(size, size), status.st_mtime))
+        return found, odd
 
     # ------------------------------------------------------------------ protocol
 
@@ -530,14 +561,14 @@ class FileBackend:
         then reports as a miss (and forgets); a "no" is never taken from the index.
         """
         self._check_open()
-        indexed = self._index.__contains__
-        return [indexed(key) or self._exists(key) for key in keys]
+        indexed, slot = self._index.__contains__, self._slot
+        return [indexed(slot(key)) or self._exists(key) for key in keys]
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading keys are stored (see :meth:`exists`)."""
         self._check_open()
-        indexed = self._index.__contains__
-        return count_prefix(indexed(key) or self._exists(key) for key in keys)
+        indexed, slot = self._index.__contains__, self._slot
+        return count_prefix(indexed(slot(key)) or self._exists(key) for key in keys)
 
     def _exists(self, key: ObjectKey) -> bool:
         # One lstat: a link (or anything but a regular file) at the key's place is no
@@ -572,7 +603,7 @@ class FileBackend:
         self._check_writable("delete")
         removed = 0
         for key in keys:
-            self._index.remove(key)
+            self._index.remove(self._slot(key))
             try:
                 removed += self._unlink(key)
             except OSError as error:
@@ -630,9 +661,14 @@ class FileBackend:
             for fd in (parent_fd, tmp_fd):
                 if fd is not None:
                     os.close(fd)
-        for key in self._index.keys():  # noqa: SIM118 - a snapshot, not a dict
-            if key.namespace == namespace:
-                self._index.remove(key)
+        prefixes = self._slots.prefixes(namespace)  # None: no slot of it was ever made
+        for slot in self._index.keys():  # noqa: SIM118 - a snapshot, not a dict
+            if isinstance(slot, ObjectKey):
+                ours = slot.namespace == namespace
+            else:
+                ours = prefixes is not None and slot.startswith(prefixes)
+            if ours:
+                self._index.remove(slot)
 
     def stats(self) -> BackendStats:
         """Contents (as this process knows them) and counters."""
@@ -674,10 +710,10 @@ class FileBackend:
             scrub(request.buffers)
             read.inode = self._link_at(key)
             if not read.inode:
-                self._index.remove(key)
+                self._index.remove(self._slot(key))
                 return GetResult.miss_of(key)  # a link on the way: no object of this store
         elif read.got < 0:
-            self._index.remove(key)
+            self._index.remove(self._slot(key))
             return GetResult.miss_of(key)
         if read.link or read.not_regular:
             reason: str | None = "is not a regular file"
@@ -692,7 +728,7 @@ class FileBackend:
             self._quarantine(read.inode, key)
             log.warning("file backend: %s; quarantined", corrupt)
             return GetResult.corrupt_of(key, corrupt)
-        self._index.touch(key, HEADER_SIZE + request.nbytes)
+        self._index.touch(self._slot(key), HEADER_SIZE + request.nbytes)
         return GetResult.hit_of(request)
 
     def _link_at(self, key: ObjectKey) -> int:
@@ -781,7 +817,7 @@ class FileBackend:
             return
         with self._lock:
             self._quarantine_bytes += nbytes
-        self._delete_files(victims)
+        self._delete_slots(victims)
 
     def _release_quarantined(self, nbytes: int) -> None:
         """Give back the reservation of ``nbytes`` quarantined bytes that were purged."""
@@ -838,7 +874,7 @@ class FileBackend:
         Returns whether it was moved (read-only: never). Nothing is resolved through a
         link: what is moved is the entry at the key's place itself.
         """
-        self._index.remove(key)
+        self._index.remove(self._slot(key))
         if self._config.read_only:
             return False
         dir_fd: int | None = None
@@ -900,6 +936,7 @@ class FileBackend:
 
     def _put_in(self, request: PutRequest, size: int, dir_fd: int, created: list[int]) -> PutResult:
         key = request.key
+        slot = self._slot(key)
         try:
             held: os.stat_result | None = os.stat(key.name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -919,23 +956,23 @@ class FileBackend:
                     ),
                 )
             if stat.S_ISREG(held.st_mode) and held.st_size == size and self._holds(dir_fd, request):
-                self._index.touch(key, size=None)
+                self._index.touch(slot, size=None)
                 return PutResult.present_of(key)
             # Torn, of another shape, or no regular file: never acknowledged as stored;
             # the rename below replaces it.
-            self._index.remove(key)
+            self._index.remove(slot)
         try:
             victims = self._index.reserve(size)
         except StorageError as error:
             return PutResult.error_of(key, error)
         if victims:
-            self._delete_files(victims)
+            self._delete_slots(victims)
         try:
             self._write(request, dir_fd, created)
         except OSError as error:
             self._index.release(size)
             return PutResult.error_of(key, write_error(self.name, self._root, key, size, error))
-        self._index.commit(key, size)
+        self._index.commit(slot, size)
         return PutResult.stored_of(request)
 
     def _holds(self, dir_fd: int, request: PutRequest) -> bool:
@@ -1028,6 +1065,12 @@ class FileBackend:
             with contextlib.suppress(OSError):
                 self._unlink(key)
         self._stats.record_evicted(len(keys))
+
+    def _delete_slots(self, slots: Sequence[_Slot]) -> None:
+        """:meth:`_delete_files` of the keys of index slots (eviction victims)."""
+        self._delete_files(
+            [slot if isinstance(slot, ObjectKey) else self._slots.key(slot) for slot in slots]
+        )
 
     # ------------------------------------------------------------------ threads
 
@@ -1142,7 +1185,7 @@ class FileBackend:
             finally:
                 os.close(dir_fd)
         except FileNotFoundError:
-            self._index.remove(key)
+            self._index.remove(self._slot(key))
             return RepairResult(report=report, action=RepairAction.GONE, reason="no longer there")
         except OSError as error:
             return RepairResult(report=report, action=RepairAction.FAILED, reason=str(error))
@@ -1153,7 +1196,7 @@ class FileBackend:
         if not state.problem:
             return restrict(report, path, self._file_bits, inode=inode)
         if state is ObjectState.WRONG_MODEL:
-            self._index.remove(key)
+            self._index.remove(self._slot(key))
             try:
                 if not self._unlink(key):
                     return RepairResult(report=report, action=RepairAction.GONE)
@@ -1175,6 +1218,15 @@ _QUARANTINED_NAME: Final = re.compile(r"[0-9]+\.[0-9]+\.[^/]+")
 """How :meth:`FileBackend._quarantine` names what it moves aside."""
 _WHOLE: Final = (ObjectState.OK, ObjectState.WRONG_MODEL)
 _STORE_DIRS: Final = ("objects", "tmp", "quarantine")
+_Slot = bytes | ObjectKey
+"""What the index holds for an object: a :class:`KeySlots` slot, or the key (with a policy)."""
+_FanScan = tuple[list[tuple[_Slot, int, float]], list[tuple[ObjectKey, os.stat_result]]]
+
+
+def _same_key(key: ObjectKey) -> ObjectKey:
+    return key
+
+
 _CHUNK: Final = 1 << 20
 
 
@@ -1385,3 +1437,11 @@ def _key_of(namespace: Namespace, name: str) -> ObjectKey | None:
         return ObjectKey(namespace=namespace, name=name)
     except ConfigError:
         return None
+
+
+def _keys_of(namespace: Namespace, names: list[str]) -> Sequence[ObjectKey | None]:
+    """:func:`_key_of` of each name, checked in one match when every name is valid."""
+    try:
+        return namespace.keys(names) if names else []
+    except ConfigError:
+        return [_key_of(namespace, name) for name in names]

@@ -81,3 +81,25 @@ def test_an_object_replaced_by_a_smaller_one_does_not_make_a_write_fail() -> Non
     # 410 bytes must go: evicting "big" frees only 10, so the policy is asked again.
     assert index.reserve(500) == ["big", "k0", "k1", "k2", "k3"]
     assert index.totals() == (5, 500)
+
+
+def test_key_slots_are_distinct_compact_and_give_their_keys_back() -> None:
+    from sglang_storage.core import DataKind, Namespace, Shard
+    from sglang_storage.storage.capacity import KeySlots
+
+    slots = KeySlots()
+    kv = Namespace(model="m", kind=DataKind.KV)
+    other = Namespace(model="m", kind=DataKind.KV, shard=Shard(tp_rank=1, tp_size=2))
+    page = "0123456789abcdef" * 4
+    names = [page, page.upper(), "ab", "AB", "12", "a_b.c-d", "abc", "0" * 64]
+    keys = [ns.key(name) for ns in (kv, other) for name in names]
+    made = [slots.slot(key) for key in keys]
+    assert len(set(made)) == len(keys)  # upper- and lowercase hex never meet
+    assert [slots.key(slot) for slot in made] == keys
+    assert len(slots.slot(kv.key(page))) == 4 + 32  # 64 lowercase hex digits as 32 bytes
+    assert slots.slot(kv.key(page)) == made[0]  # the same slot for an equal key
+    hex_prefix, text_prefix = slots.prefixes(kv) or (b"", b"")
+    assert made[0].startswith(hex_prefix) and made[1].startswith(text_prefix)
+    assert slots.prefixes(Namespace(model="unseen", kind=DataKind.KV)) is None
+    with pytest.raises(KeyError):
+        KeySlots().key(made[0])

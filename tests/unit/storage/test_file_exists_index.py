@@ -100,3 +100,40 @@ def test_a_reopened_store_answers_from_its_rebuilt_index(tmp_path: Path) -> None
         assert backend.prefix_hits([NAMESPACE.key("a"), NAMESPACE.key("b")]) == 2
         assert get(backend, "a")[0] is GetOutcome.MISS
         assert backend.prefix_hits([NAMESPACE.key("a"), NAMESPACE.key("b")]) == 0
+
+
+def test_clear_forgets_only_its_namespace(tmp_path: Path) -> None:
+    other = Namespace(model="other", kind=DataKind.KV)
+    page = "ab" * 32
+    with open_file(tmp_path / "store") as backend:
+        for namespace in (NAMESPACE, other):
+            for name in (page, page.upper(), "text"):
+                request = PutRequest(
+                    key=namespace.key(name), spec=SPEC, buffers=(memoryview(PAYLOAD),)
+                )
+                assert all(r.ok for r in backend.put_from([request]))
+        assert backend.stats().objects == 6
+        backend.clear(NAMESPACE)
+        assert backend.stats().objects == 3
+        names = (page, page.upper(), "text")
+        assert backend.exists([NAMESPACE.key(n) for n in names]) == [False] * 3
+        shutil.rmtree(backend.root / "objects" / "other")  # only the index can answer now
+        assert backend.exists([other.key(n) for n in names]) == [True] * 3
+
+
+def test_eviction_removes_the_files_of_its_victims(tmp_path: Path) -> None:
+    from sglang_storage.policy import LRUPolicy
+
+    size = 512 + SPEC.nbytes
+    config = FileBackendConfig(root=tmp_path / "store", capacity_bytes=2 * size)
+    names = ["cd" * 32, "Victim-Name", "third"]
+    with FileBackend(config, eviction=LRUPolicy()) as backend:
+        for name in names:
+            put(backend, name)
+        assert backend.stats().objects == 2
+        assert not backend.path_of(NAMESPACE.key(names[0])).exists()  # the oldest went
+        put(backend, names[0])
+        assert not backend.path_of(NAMESPACE.key(names[1])).exists()  # a text name too
+        assert backend.exists([NAMESPACE.key(n) for n in names]) == [True, False, True]
+    with FileBackend(config, eviction=LRUPolicy()) as reopened:
+        assert reopened.stats().objects == 2
