@@ -99,7 +99,8 @@ def test_key_slots_are_distinct_compact_and_give_their_keys_back() -> None:
     assert len(slots.slot(kv.key(page))) == 4 + 32  # 64 lowercase hex digits as 32 bytes
     assert slots.slot(kv.key(page)) == made[0]  # the same slot for an equal key
     hex_prefix, text_prefix = slots.prefixes(kv) or (b"", b"")
-    assert made[0].startswith(hex_prefix) and made[1].startswith(text_prefix)
+    assert made[0].startswith(hex_prefix)
+    assert made[1].startswith(text_prefix)
     assert slots.prefixes(Namespace(model="unseen", kind=DataKind.KV)) is None
     with pytest.raises(KeyError):
         KeySlots().key(made[0])
