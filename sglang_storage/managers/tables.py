@@ -22,7 +22,8 @@ restores those bytes from storage instead of reading the checkpoint. Contract, o
 - ``persist(name, fingerprint, sections)`` - queue a put of every chunk and return; the
   region must not change until its :class:`PersistResult` arrives from ``poll``/``wait``.
 - ``poll()`` / ``wait(timeout_s)`` - finished persists as :class:`PersistResult` values.
-- ``close()`` - close every region; the pipeline is the owner's to close.
+- ``release(name)`` / ``close()`` - close one table's region / every one; the pipeline is
+  the owner's to close.
 
 Not thread-safe: one owner (or the owner's lock) calls every method. The manager drains
 its pipeline's completions, so the pipeline must not be shared.
@@ -495,6 +496,15 @@ class HostTableManager:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             persist.handle.wait(left)
         return self.poll()
+
+    def release(self, name: str) -> None:
+        """Close table ``name``'s region and forget it (absent is fine).
+
+        Its charge goes back to the budget; the mapping goes with the last view of it.
+        """
+        region = self._regions.pop(name, None)
+        if region is not None:
+            region.close()
 
     def close(self) -> None:
         """Close every table's region (their memory goes with the last view of it)."""

@@ -284,3 +284,15 @@ def test_checkpoint_files_cover_weights_and_index_only(checkpoint: Path) -> None
         "model.safetensors.index.json",
     ]
     assert files[0] == CheckpointFile(name=files[0].name, size=1000, mtime_ns=files[0].mtime_ns)
+
+
+def test_release_closes_one_table_and_returns_its_charge(store: Path) -> None:
+    m, _ = manager(store, storage=False)
+    b = budget()
+    for name in ("a", "b"):
+        m.create(name, MappedRegionConfig(nbytes=MIB, mode=MappingMode.ANONYMOUS, label=name), b)
+    m.release("a")
+    m.release("a")  # absent is fine
+    assert m.region("a") is None
+    assert m.region("b") is not None
+    assert b.stats().kinds[DataKind.WEIGHT].used == MIB
