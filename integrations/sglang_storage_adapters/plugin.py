@@ -48,6 +48,9 @@ INSTALLERS: Final[tuple[str, ...]] = (
     # Elastic-EP expert backup: HookRegistry function REPLACE of run_expert_backup_manager,
     # class REPLACE of ExpertBackupClient.
     "sglang_storage_adapters.elastic_ep:install",
+    # Engram host tables: HookRegistry class REPLACE of _HostTable, AROUND on
+    # EngramEmbedding._load_rows (rows restored from storage are not loaded again).
+    "sglang_storage_adapters.engram:install",
 )
 """Every adapter's installer, ``"module:function"``; append yours here."""
 

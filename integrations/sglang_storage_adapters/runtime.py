@@ -24,7 +24,7 @@ Extra-config keys (any other is a :class:`~sglang_storage.errors.ConfigError`):
 (the policy of a capped backend), ``host_memory`` (the process's host memory budget; when
 absent, what the components ask, up to the host's share per rank), ``host_reservations``
 (bytes per component: ``kv``, ``decode``, ``sparse``, ``embedding``, ``experts``,
-``weights``),
+``weights``, ``engram``),
 ``storage_load_policy`` (read by the HiCache controller), ``storage_log_level`` (the
 sglang_storage loggers' level, applied when the runtime is built); and SGLang's own
 (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, ``allocator``,
@@ -156,6 +156,7 @@ class RuntimeSettings:
                 embedding=reserved.get("embedding", 0),
                 experts=reserved.get("experts", 0),
                 weights=reserved.get("weights", 0),
+                engram=reserved.get("engram", 0),
                 eviction=self.eviction,
                 ranks_per_host=ranks_per_host,
             )

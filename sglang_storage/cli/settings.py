@@ -72,6 +72,7 @@ MANAGER_NAMES: Final = (
     "experts",
     "records",
     "weights",
+    "engram",
 )
 """Every data-kind manager sglang_storage has or will have, in ``--storage-managers`` order."""
 AVAILABLE_MANAGERS: Final = (
@@ -82,14 +83,17 @@ AVAILABLE_MANAGERS: Final = (
     "embedding",
     "experts",
     "weights",
+    "engram",
 )
 """The managers the SGLang integration serves in this release: the HiCache KV tiers,
 decode-side request offload, HiSparse token offload, the NPU sparse KV offload, the
-encoder embedding cache, the paged-experts host store and the elastic-EP expert backup.
+encoder embedding cache, the paged-experts host store, the elastic-EP expert backup and
+the DeepSeek-V4.1 Engram host tables.
 Each takes effect only where SGLang builds that component (e.g. ``decode`` under
 ``--disaggregation-decode-enable-offload-kvcache``, ``npu-sparse`` on an Ascend NPU under
 ``SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD=1``, ``experts`` under ``--enable-paged-experts``,
-``weights`` under elastic EP's expert backup)."""
+``weights`` under elastic EP's expert backup, ``engram`` under
+``SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1``)."""
 WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back")
 """``--storage-write-policy`` values; SGLang's ``--hicache-write-policy`` choices."""
 PREFETCH_POLICIES: Final = ("best_effort", "wait_complete", "timeout")

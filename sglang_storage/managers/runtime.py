@@ -11,7 +11,7 @@ once per instance, and two kinds writing the same pages would disagree on where 
   capped backends.
 - ``StorageRuntime.host_memory(component)`` - a :class:`~sglang_storage.memory.HostMemory`
   for one component (``kv``, ``decode``, ``sparse``, ``embedding``, ``experts``,
-  ``weights``) charged to the one
+  ``weights``, ``engram``) charged to the one
   budget; it never takes what another component of the same data kind has reserved.
 - ``StorageRuntime.backend(name, options)`` - a :class:`BackendLease` on the one shared
   instance per backend and options, built with the eviction policy its cap needs; the
@@ -41,6 +41,7 @@ from sglang_storage.config import (
     non_negative_int,
     optional,
     positive_int,
+    require_int,
 )
 from sglang_storage.core import DataKind, EvictionPolicy, Namespace, ObjectKey
 from sglang_storage.errors import CapacityError, ConfigError, StateError
@@ -50,6 +51,7 @@ from sglang_storage.memory import (
     HostBuffer,
     HostMemory,
     HostMemoryBudget,
+    Lease,
     MemoryFacts,
     Pinning,
     make_allocator,
@@ -70,7 +72,7 @@ __all__ = [
     "kv_page_namespace",
 ]
 
-COMPONENTS: Final = ("kv", "decode", "sparse", "embedding", "experts", "weights")
+COMPONENTS: Final = ("kv", "decode", "sparse", "embedding", "experts", "weights", "engram")
 """The components that draw host memory from a runtime, each with its own reservation."""
 
 _KINDS: Final[Mapping[str, DataKind]] = MappingProxyType(
@@ -81,6 +83,7 @@ _KINDS: Final[Mapping[str, DataKind]] = MappingProxyType(
         "embedding": DataKind.EMBEDDING,
         "experts": DataKind.WEIGHT,
         "weights": DataKind.WEIGHT,
+        "engram": DataKind.WEIGHT,
     }
 )
 _OWNER: Final = "StorageRuntime"
@@ -119,6 +122,9 @@ class RuntimeConfig:
     """Bytes reserved for the paged-experts host store (every routed expert's weights)."""
     weights: int = attrs.field(default=0, metadata=BYTES, validator=non_negative_int)
     """Bytes reserved for the elastic-EP expert backup (this node's slice of the experts)."""
+    engram: int = attrs.field(default=0, metadata=BYTES, validator=non_negative_int)
+    """Bytes reserved for the Engram host tables this process maps (a shared table counts on
+    the rank that creates it)."""
     headroom: int = attrs.field(default=2 << 30, metadata=BYTES, validator=non_negative_int)
     """Bytes that must stay available to the rest of the process and the system."""
     ranks_per_host: int = attrs.field(default=1, validator=positive_int)
@@ -310,7 +316,7 @@ class StorageRuntime:
                 total=total,
                 kv=config.kv + config.decode + config.sparse,
                 embedding=config.embedding,
-                weight=config.experts + config.weights,
+                weight=config.experts + config.weights + config.engram,
                 headroom=config.headroom,
                 ranks_per_host=config.ranks_per_host,
             ),
@@ -355,6 +361,40 @@ class StorageRuntime:
                 memory = _ComponentMemory(self, component, self._budget, self._allocator)
                 self._memories[component] = memory
             return memory
+
+    def lease(self, component: str, nbytes: int, *, label: str) -> Lease:
+        """Charge ``nbytes`` to ``component`` for memory its owner maps itself.
+
+        For host memory no :class:`~sglang_storage.memory.HostMemory` allocates (a
+        :class:`~sglang_storage.memory.MappedRegion`): counted in :meth:`used` and kept out
+        of other components' reservations like an allocation; the lease's ``release()``
+        gives the bytes back.
+
+        Raises:
+            ConfigError: ``component`` is not one of :data:`COMPONENTS`, or ``nbytes`` is
+                not an int >= 0.
+            CapacityError: the budget, less what other components of its kind have
+                reserved and not yet used, has no room; nothing was charged.
+            StateError: the runtime is closed.
+        """
+        _check_component(component)
+        require_int(nbytes, owner=f"{_OWNER}.lease", field="nbytes")
+        kind = _KINDS[component]
+        with self._lock:
+            self._check_open()
+            self._check_room(component, kind, nbytes, label)
+            inner = self._budget.acquire(kind, nbytes, label=label)
+            self._used[component] += nbytes
+
+        def give_back(lease: Lease) -> None:
+            with self._lock:
+                inner.release()  # a second release raises StateError here
+                lease.released = True
+                self._used[component] -= nbytes
+
+        return Lease(
+            kind=kind, nbytes=nbytes, label=label, borrowed=inner.borrowed, give_back=give_back
+        )
 
     def backend(
         self, name: str, options: Mapping[str, object] | attrs.AttrsInstance | None = None

@@ -174,7 +174,7 @@ def test_host_memory_is_echoed_at_start(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_managers_accept_the_served_ones_and_name_the_ones_not_there_yet() -> None:
     assert parse_managers(" kv ") == ("kv",)
-    served = "kv,decode,sparse,npu-sparse,embedding,experts,weights"
+    served = "kv,decode,sparse,npu-sparse,embedding,experts,weights,engram"
     assert parse_managers(served) == AVAILABLE_MANAGERS
     later = _error(lambda: parse_managers("kv,records"))
     assert "not available yet in this release" in str(later)
