@@ -18,6 +18,8 @@ what finished as typed values. Imports only the layers below it; never SGLang.
 - :class:`RecordStore` (:mod:`.records`) - write-once / read-once keyed records.
 - :class:`WeightBackupManager` (:mod:`.weights`) - expert weight shards backed up and
   restored on demand.
+- :class:`HostTableManager` (:mod:`.tables`) - large host tables read in place (Engram) in
+  mapped regions, persisted under a fingerprint and restored on restart.
 - :class:`StorageRuntime` (:mod:`.runtime`) - what every manager of a process shares: the
   host memory budget, one instance per backend, the pipelines, and
   :func:`kv_page_namespace`, where a rank's KV pages live.
@@ -43,6 +45,7 @@ from sglang_storage.managers.runtime import (
     kv_page_namespace,
 )
 from sglang_storage.managers.sparse import SparseKVConfig, SparseKVManager
+from sglang_storage.managers.tables import HostTableConfig, HostTableManager
 from sglang_storage.managers.weights import WeightBackupConfig, WeightBackupManager
 
 __all__ = [
@@ -51,6 +54,8 @@ __all__ = [
     "DecodeOffloadManager",
     "EmbeddingCacheConfig",
     "EmbeddingCacheManager",
+    "HostTableConfig",
+    "HostTableManager",
     "KVCacheConfig",
     "KVCacheManager",
     "RankLayout",

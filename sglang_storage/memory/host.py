@@ -55,6 +55,7 @@ __all__ = [
     "PinnedAllocator",
     "Pinning",
     "PlainAllocator",
+    "TorchCudaRuntime",
     "cuda_available",
     "make_allocator",
 ]
@@ -233,21 +234,27 @@ _Finalizer: TypeAlias = "weakref.finalize[[CudaRuntime, torch.Tensor, str], Host
 """The finalizer that ends a collected buffer's registration."""
 
 
-class _TorchCudaRuntime:
-    """The real runtime: torch's cudart binding, plus ``cudaGetLastError`` via ctypes."""
+class TorchCudaRuntime:
+    """The real CUDA runtime as a :class:`CudaRuntime`: torch's cudart binding.
+
+    ``cudaGetLastError`` comes from the loaded libcudart (0 where none is loaded).
+    """
 
     def __init__(self) -> None:
         self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt:  # noqa: N802
+        """Page-lock ``size`` bytes at ``ptr``; the CUDA status code."""
         status: SupportsInt = self._cudart.cudaHostRegister(ptr, size, flags)
         return status
 
     def cudaHostUnregister(self, ptr: int) -> SupportsInt:  # noqa: N802
+        """End the registration of ``ptr``; the CUDA status code."""
         status: SupportsInt = self._cudart.cudaHostUnregister(ptr)
         return status
 
     def cudaGetLastError(self) -> SupportsInt:  # noqa: N802
+        """Return and clear the error the last failed call latched."""
         function = _loaded_get_last_error()
         return 0 if function is None else int(function())
 
@@ -302,7 +309,7 @@ class PinnedAllocator(HostAllocator):
                         f"{torch.version.cuda or 'none'}); use pinning 'auto' or 'never'"
                     ),
                 )
-            cudart = _TorchCudaRuntime()
+            cudart = TorchCudaRuntime()
         self._cudart = cudart
         self._registrations: weakref.WeakKeyDictionary[HostBuffer, _Finalizer] = (
             weakref.WeakKeyDictionary()

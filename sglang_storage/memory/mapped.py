@@ -70,8 +70,7 @@ from sglang_storage.errors import (
     StateError,
 )
 from sglang_storage.memory.budget import Lease
-from sglang_storage.memory.host import CudaRuntime, Pinning, cuda_available
-from sglang_storage.memory.host import _TorchCudaRuntime as _TorchCudart  # the same binding
+from sglang_storage.memory.host import CudaRuntime, Pinning, TorchCudaRuntime, cuda_available
 
 __all__ = [
     "THP_DIR",
@@ -689,7 +688,7 @@ class MappedRegion:
                     f"not registered: CUDA is not available (torch {torch.__version__}, "
                     f"CUDA build {torch.version.cuda or 'none'})"
                 )
-            cudart = _TorchCudart()
+            cudart = TorchCudaRuntime()
         flags = _REGISTER_FLAGS | (_REGISTER_READ_ONLY if self._config.read_only else 0)
         status = int(cudart.cudaHostRegister(self._address, self._config.nbytes, flags))
         if status != 0:

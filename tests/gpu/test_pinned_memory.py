@@ -26,7 +26,7 @@ from sglang_storage.memory import (
     RecordPool,
     RecordPoolConfig,
 )
-from sglang_storage.memory.host import _clear_latched_error, _TorchCudaRuntime
+from sglang_storage.memory.host import TorchCudaRuntime, _clear_latched_error
 
 pytestmark = pytest.mark.gpu
 
@@ -100,7 +100,7 @@ def test_a_failed_register_leaves_no_latched_error() -> None:
     try:
         status = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
         assert int(status) == ALREADY_REGISTERED
-        _clear_latched_error(_TorchCudaRuntime())
+        _clear_latched_error(TorchCudaRuntime())
         kernel_runs_clean()
     finally:
         assert int(cudart.cudaHostUnregister(tensor.data_ptr())) == 0
