@@ -1,0 +1,601 @@
+"""SGLang 0.5.23's RL top-k capture on sglang_storage: the host mirror and the payload.
+
+With ``--enable-return-routed-experts`` (and ``--enable-return-indexer-topk``) SGLang's
+capturers (``srt/state_capturer/``) keep a pinned host mirror of every KV token slot,
+``[slots, layers, top_k]`` int32, and on a request's finish gather its rows
+``[seqlen-1-start, layers, top_k]`` into ``req.routed_experts`` / ``req.indexer_topk``.
+That tensor then travels scheduler -> detokenizer as msgpack, detokenizer -> tokenizer as
+base64 and on to the client in ``meta_info`` (~64 MB, then ~85 MB, for a 32K-token
+request at 61 layers x top-8).
+
+- :class:`StorageHostCache` replaces ``sglang.srt.state_capturer.base.BaseHostCache``
+  (HookRegistry REPLACE; ``BaseTopkCapturer`` looks the name up as a module global): its
+  ``buffer`` is the ``records`` of a :class:`~sglang_storage.memory.RecordPool` in the
+  process's budget (component ``records``, ``DataKind.RECORD``), every slot allocated at
+  once and zeroed as SGLang does; page-locked where CUDA exists (the runtime's allocator),
+  refused at start-up when the budget cannot hold it; ``destroy()`` gives it back. On a
+  machine without CUDA SGLang's own class cannot be built (it needs a driver, or an
+  allocator for the device); this one can, so the capturers run on CPU.
+- The payload: an AROUND hook on ``SchedulerBatchResultProcessor._maybe_collect_routed_experts``
+  and ``_maybe_collect_indexer_topk`` writes the gathered tensor to a
+  :class:`~sglang_storage.managers.RecordStore` on the storage backend under a key derived
+  from the request id and the kind, and puts a small handle (a :class:`RecordHandle` as
+  UTF-8 JSON bytes in a uint8 tensor) where the tensor was. SGLang's own code carries
+  the handle unchanged: msgpack to the detokenizer, base64 into ``meta_info``; so the big
+  tensor crosses no ZMQ socket and is never base64-encoded. No patch is needed.
+- The client: :func:`fetch_record` reads ``meta_info`` (or a handle), fetches the rows from
+  the backend and deletes them (``keep=True`` leaves them for a retry; then
+  :func:`discard_record`). A record still being written is retried until ``timeout_s``.
+- ``--storage-records-transport sglang`` keeps SGLang's path (the host mirror is still
+  ours). Aborted requests write no record (``meta_info`` then holds no rows), so nothing is
+  left behind; a retracted request has written none yet (rows are collected at finish).
+
+Without sglang_storage settings naming ``records`` in ``--storage-managers``, constructing
+the host cache builds SGLang's own and the collect hooks leave SGLang's tensor in place.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+import torch
+
+from sglang_storage.config import instance_of, non_empty_str, one_of, tuple_of
+from sglang_storage.core import DataKind, GetOutcome, GetRequest, Namespace, PutOutcome
+from sglang_storage.errors import CapacityError, ConfigError, StorageError
+from sglang_storage.managers.records import RecordStore, RecordStoreConfig, RecordWritten
+from sglang_storage.managers.runtime import BackendLease
+from sglang_storage.memory import (
+    BlobPool,
+    BlobPoolConfig,
+    RecordPool,
+    RecordPoolConfig,
+    tensor_bytes,
+    tensor_spec,
+)
+from sglang_storage.storage import Backend, create_backend
+from sglang_storage.storage.keys import model_fingerprint
+from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
+
+require_supported_sglang()
+
+# After the version check: these exist with these names in 0.5.23.
+from sglang.srt.state_capturer.base import BaseHostCache  # noqa: E402
+
+__all__ = [
+    "COLLECT_TARGETS",
+    "COMPONENT",
+    "KINDS",
+    "STAGING_BYTES",
+    "TARGET",
+    "RecordHandle",
+    "RecordPublisher",
+    "StorageHostCache",
+    "discard_record",
+    "fetch_record",
+    "install",
+    "record_handle",
+    "record_key",
+]
+
+log = logging.getLogger(__name__)
+
+TARGET: Final = "sglang.srt.state_capturer.base.BaseHostCache"
+"""The class :func:`install` replaces."""
+_PROCESSOR: Final = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+)
+KINDS: Final = ("routed_experts", "indexer_topk")
+"""The captured kinds: the ``Req`` attribute and the ``meta_info`` key of each."""
+COLLECT_TARGETS: Final[Mapping[str, str]] = {
+    "routed_experts": f"{_PROCESSOR}._maybe_collect_routed_experts",
+    "indexer_topk": f"{_PROCESSOR}._maybe_collect_indexer_topk",
+}
+"""The scheduler methods :func:`install` wraps (AROUND), per kind."""
+COMPONENT: Final = "records"
+"""The runtime component (and ``--storage-managers`` name) the capture draws memory as."""
+STAGING_BYTES: Final = 256 << 20
+"""Host bytes (per scheduler) holding finished records until storage has them. A record
+that finds no room there goes SGLang's way (base64 through ZMQ), with a warning."""
+HANDLE_PREFIX: Final = b"sglang_storage.record "
+"""The first bytes of a handle (what a client finds in place of the rows)."""
+
+_OWNER: Final = "sglang_storage RL top-k records"
+_HANDLE_OWNER: Final = "RecordHandle"
+
+
+def _settings() -> RuntimeSettings | None:
+    """This process's sglang_storage settings, or ``None`` (none published, or not on)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        return runtime_settings(get_server_args())
+    except (RuntimeError, ValueError):  # no server arguments published in this process
+        return None
+
+
+# ---------------------------------------------------------------------- host mirror
+
+
+class StorageHostCache(BaseHostCache):  # type: ignore[misc]  # SGLang is untyped
+    """SGLang's ``BaseHostCache`` with ``buffer`` the records of a budgeted RecordPool.
+
+    Constructed as SGLang constructs its host cache; see the module docstring.
+
+    Raises:
+        CapacityError: the host memory budget cannot hold the mirror.
+        ConfigError: no sglang_storage settings are published, or a size is not >= 1.
+    """
+
+    pool: RecordPool | None
+    """The record pool behind ``buffer`` (``None`` once destroyed)."""
+    buffer: torch.Tensor | None
+    """``[slots, layers, top_k]`` int32, SGLang's name for the mirror (``None`` once destroyed)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """This host cache when sglang_storage serves ``records``, else SGLang's own."""
+        settings = _settings()
+        if cls is StorageHostCache and (settings is None or not settings.enabled(COMPONENT)):
+            original: Any = object.__new__(StorageHostCache.__bases__[0])
+            original.__init__(*args, **kwargs)
+            return original
+        return object.__new__(cls)
+
+    def __init__(
+        self, num_tokens: int, num_layers: int, topk_size: int, name: str, device: str
+    ) -> None:
+        del device  # the runtime's allocator decides page-locking, whatever the device
+        settings = _settings()
+        if settings is None:
+            raise ConfigError(
+                owner=_OWNER,
+                field="settings",
+                reason="no sglang_storage settings are published in this process",
+                allowed="--storage-backend with --storage-managers including records",
+            )
+        memory = process_runtime(settings).host_memory(COMPONENT)
+        config = RecordPoolConfig(
+            shape=(num_layers, topk_size),
+            dtype=torch.int32,
+            capacity=num_tokens,
+            kind=DataKind.RECORD,
+            label=f"{name} capture host mirror",
+        )
+        pool = RecordPool(config, memory)
+        pool.alloc(num_tokens)  # SGLang indexes every slot directly
+        self.pool = pool
+        self.buffer = pool.records
+        self.buffer.zero_()
+        self.num_tokens = num_tokens
+        self.num_layers = num_layers
+        self.topk_size = topk_size
+        self.name = name
+        self._finalizer = weakref.finalize(self, _close_pool, pool)
+        self._log_allocation()
+        log.info(
+            "sglang_storage %s capture: %d slots x %d layers x top-%d in the budget%s",
+            name,
+            num_tokens,
+            num_layers,
+            topk_size,
+            " (page-locked)" if pool.page_locked else "",
+        )
+
+    def destroy(self) -> None:
+        """Give the mirror back to the budget (a second call does nothing)."""
+        if self.buffer is None:
+            return
+        self.buffer = None
+        self.pool = None
+        self._finalizer()
+
+    def get_buffer_size_bytes(self) -> int:
+        """Bytes of the mirror (0 once destroyed)."""
+        if self.buffer is None:
+            return 0
+        return int(self.buffer.numel() * self.buffer.element_size())
+
+
+def _close_pool(pool: RecordPool) -> None:
+    pool.close()  # a second close does nothing
+
+
+# ---------------------------------------------------------------------- handles
+
+
+def record_key(kind: str, rid: str) -> str:
+    """The storage name of request ``rid``'s ``kind`` rows (safe for any rid)."""
+    _check_kind(kind)
+    digest = hashlib.blake2b(rid.encode(), digest_size=20).hexdigest()
+    return f"{kind}.{digest}"
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ConfigError(
+            owner=_OWNER, field="kind", value=kind, reason="is not a captured kind",
+            allowed=", ".join(KINDS),
+        )  # fmt: skip
+
+
+def _json_options(value: Mapping[str, object]) -> Mapping[str, object]:
+    return dict(value)
+
+
+def _shape(value: Sequence[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class RecordHandle:
+    """Where one finished request's top-k rows are: what travels instead of the rows."""
+
+    kind: str = attrs.field(validator=one_of(*KINDS))
+    """``routed_experts`` or ``indexer_topk``."""
+    key: str = attrs.field(validator=non_empty_str)
+    """The record's name in the namespace (:func:`record_key`)."""
+    model: str = attrs.field(validator=non_empty_str)
+    """The namespace's model fingerprint."""
+    shape: tuple[int, ...] = attrs.field(converter=_shape, validator=tuple_of(instance_of(int)))
+    """``(rows, layers, top_k)``; ``rows`` may be 0 (then nothing was stored)."""
+    dtype: str = attrs.field(default="int32", validator=one_of("int32"))
+    backend: str = attrs.field(validator=non_empty_str)
+    """The sglang_storage backend holding the record."""
+    options: Mapping[str, object] = attrs.field(factory=dict, converter=_json_options)
+    """That backend's options (the file root, the Mooncake master, ...)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows."""
+        count = 4
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    def to_bytes(self) -> bytes:
+        """The handle as it travels: :data:`HANDLE_PREFIX` and compact JSON."""
+        body = attrs.asdict(self, recurse=False)
+        body["shape"] = list(self.shape)
+        body["options"] = dict(self.options)
+        return HANDLE_PREFIX + json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RecordHandle:
+        """Parse :meth:`to_bytes` output.
+
+        Raises:
+            ConfigError: ``data`` is not a handle (e.g. SGLang's own rows, sent under
+                ``--storage-records-transport sglang``) or is malformed.
+        """
+        if not data.startswith(HANDLE_PREFIX):
+            raise ConfigError(
+                owner=_HANDLE_OWNER,
+                field="data",
+                value=f"{len(data)} bytes",
+                reason="is not a sglang_storage record handle (the server sent the rows "
+                "themselves: --storage-records-transport sglang, or records not managed)",
+                allowed="decode them with SGLang's extract_routed_experts_from_meta_info",
+            )
+        try:
+            body = json.loads(data[len(HANDLE_PREFIX) :])
+            return cls(**body)
+        except (ValueError, TypeError) as error:
+            raise ConfigError(
+                owner=_HANDLE_OWNER, field="data", reason=f"is a malformed handle: {error}"
+            ) from None
+
+    @classmethod
+    def from_meta_info(cls, meta_info: Mapping[str, Any], kind: str) -> RecordHandle | None:
+        """The handle ``meta_info[kind]`` carries (base64, as SGLang encodes it).
+
+        ``None`` when the response has no rows of that kind (not asked for, or aborted).
+
+        Raises:
+            ConfigError: the value is not a handle (see :meth:`from_bytes`).
+        """
+        _check_kind(kind)
+        value = meta_info.get(kind)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise ConfigError(
+                owner=_HANDLE_OWNER, field=f"meta_info[{kind!r}]", value=type(value).__name__,
+                reason="must be the base64 string SGLang puts there",
+            )  # fmt: skip
+        return cls.from_bytes(base64.b64decode(value))
+
+    def as_tensor(self) -> torch.Tensor:
+        """The handle as the uint8 tensor SGLang carries in place of the rows."""
+        return torch.frombuffer(bytearray(self.to_bytes()), dtype=torch.uint8)
+
+    @property
+    def object_key(self) -> Any:
+        """The backend key of the record."""
+        return Namespace(model=self.model, kind=DataKind.RECORD).key(self.key)
+
+
+def record_handle(
+    value: Mapping[str, Any] | RecordHandle | torch.Tensor, kind: str
+) -> RecordHandle | None:
+    """The handle in ``value``: a response's ``meta_info``, a handle tensor, or a handle."""
+    if isinstance(value, RecordHandle):
+        return value
+    if isinstance(value, torch.Tensor):
+        return RecordHandle.from_bytes(value.numpy().tobytes())
+    return RecordHandle.from_meta_info(value, kind)
+
+
+# ---------------------------------------------------------------------- scheduler side
+
+
+class RecordPublisher:
+    """Writes finished requests' rows to a RecordStore and returns their handles.
+
+    One per scheduler process (:func:`publisher`); called on the scheduler thread only
+    (the store's one owner). Storage completions are drained on every call, so a stored
+    record's host copy is given back at the next finish.
+
+    Args:
+        settings: The process's sglang_storage settings (backend, budget).
+        model: The model the records belong to (their namespace).
+        staging_bytes: Host bytes for records on their way to storage.
+
+    Raises:
+        CapacityError: the budget cannot hold the staging pool.
+        ConfigError, BackendUnavailableError: the backend cannot be opened.
+    """
+
+    def __init__(
+        self, settings: RuntimeSettings, *, model: str, staging_bytes: int = STAGING_BYTES
+    ) -> None:
+        runtime = process_runtime(settings)
+        self._settings = settings
+        self._model = model_fingerprint(model, kind="rl-topk-records")
+        self._lease: BackendLease = runtime.backend(settings.backend, settings.backend_options)
+        pipeline = runtime.storage_pipeline(self._lease)
+        pool = BlobPool(
+            BlobPoolConfig(
+                capacity=staging_bytes, kind=DataKind.RECORD, label="RL top-k records staging"
+            ),
+            runtime.host_memory(COMPONENT),
+        )
+        self._pool = pool
+        self._pipeline = pipeline
+        self._store = RecordStore(
+            RecordStoreConfig(model=self._model, kind=DataKind.RECORD),
+            pool,
+            pipeline,
+            self._lease.backend,
+        )
+        self.failed_writes = 0
+        """Records whose storage put failed (the client will find none)."""
+
+    @property
+    def store(self) -> RecordStore:
+        """The record store the rows are written through."""
+        return self._store
+
+    def publish(self, kind: str, rid: str, rows: torch.Tensor) -> RecordHandle | None:
+        """Write ``rows`` of request ``rid`` and return its handle.
+
+        ``None`` when the staging pool has no room for them now (the caller keeps SGLang's
+        path for this request).
+
+        Raises:
+            StateError: ``rid``'s ``kind`` rows are already written and not yet taken.
+        """
+        self.drain()
+        key = record_key(kind, rid)
+        handle = RecordHandle(
+            kind=kind,
+            key=key,
+            model=self._model,
+            shape=tuple(int(d) for d in rows.shape),
+            backend=self._settings.backend,
+            options=dict(self._settings.backend_options),
+        )
+        if rows.numel() == 0:
+            return handle  # nothing to store; the client gets an empty tensor
+        try:
+            self._store.write(key, rows.to(torch.int32))
+        except CapacityError as error:
+            log.warning(
+                "sglang_storage records: %s rows of %s (%d bytes) do not fit the staging "
+                "pool now; sent SGLang's way (%s)",
+                kind, rid, handle.nbytes, error,
+            )  # fmt: skip
+            return None
+        return handle
+
+    def drain(self) -> None:
+        """Take finished storage work (frees stored records' host copies)."""
+        for event in self._store.poll():
+            if isinstance(event, RecordWritten) and event.outcome is not PutOutcome.STORED:
+                self.failed_writes += 1
+                log.warning(
+                    "sglang_storage records: storing %s failed (%s): %s",
+                    event.key, event.outcome.value, event.error,
+                )  # fmt: skip
+
+    def discard(self, kind: str, rid: str) -> None:
+        """Drop request ``rid``'s ``kind`` record here and in storage (absent is fine)."""
+        self._store.discard(record_key(kind, rid))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Wait up to ``timeout_s`` for records still being stored, then release everything."""
+        end = time.monotonic() + timeout_s
+        while self._store_pending() and time.monotonic() < end:
+            for _ in self._store.poll(timeout_s=0.1):
+                pass
+        self._pipeline.close()
+        self._lease.release()
+
+    def _store_pending(self) -> bool:
+        return self._pool.stats().used_bytes > 0
+
+
+_publishers: dict[int, RecordPublisher] = {}
+_publishers_lock = threading.Lock()
+
+
+def publisher(settings: RuntimeSettings, model: str) -> RecordPublisher:
+    """This process's record publisher (built on first use)."""
+    with _publishers_lock:
+        found = _publishers.get(0)
+        if found is None:
+            found = _publishers[0] = RecordPublisher(settings, model=model)
+        return found
+
+
+def _model_name() -> str:
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        args = get_server_args()
+    except (RuntimeError, ValueError):
+        return "unknown-model"
+    return str(getattr(args, "served_model_name", None) or getattr(args, "model_path", "model"))
+
+
+def _sends_output() -> bool:
+    """Whether this scheduler is the one whose outputs reach the detokenizer."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().attn_tp_rank) == 0
+    except (RuntimeError, ValueError, AttributeError):  # nothing published: one rank
+        return True
+
+
+def _collect(kind: str) -> Callable[..., None]:
+    def around(original: Callable[..., None], processor: Any, req: Any) -> None:
+        original(processor, req)
+        rows = getattr(req, kind, None)
+        if rows is None or not getattr(req, f"return_{kind}", False):
+            return  # SGLang gathers indexer rows for every request, sends only those asked
+        settings = _settings()
+        if settings is None or not settings.enabled(COMPONENT):
+            return
+        if settings.records_transport != "store" or not _sends_output():
+            return
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        if isinstance(getattr(req, "finished_reason", None), FINISH_ABORT):
+            setattr(req, kind, None)  # an aborted request leaves no record behind
+            return
+        try:
+            handle = publisher(settings, _model_name()).publish(kind, str(req.rid), rows)
+        except StorageError as error:  # no staging pool or backend: SGLang's way, not a crash
+            log.warning(
+                "sglang_storage records: %s rows of %s sent SGLang's way: %s", kind, req.rid, error
+            )
+            return
+        if handle is not None:
+            setattr(req, kind, handle.as_tensor())
+
+    around.__name__ = f"sglang_storage_collect_{kind}"
+    return around
+
+
+# ---------------------------------------------------------------------- client side
+
+_backends: dict[tuple[str, str], Backend] = {}
+_backends_lock = threading.Lock()
+
+
+def _backend(handle: RecordHandle) -> Backend:
+    key = (handle.backend, json.dumps(dict(handle.options), sort_keys=True))
+    with _backends_lock:
+        backend = _backends.get(key)
+        if backend is None:
+            backend = _backends[key] = create_backend(handle.backend, dict(handle.options))
+        return backend
+
+
+def fetch_record(
+    source: Mapping[str, Any] | RecordHandle | torch.Tensor,
+    kind: str = "routed_experts",
+    *,
+    timeout_s: float = 30.0,
+    keep: bool = False,
+) -> torch.Tensor | None:
+    """A finished request's ``kind`` rows, ``[rows, layers, top_k]`` int32, from storage.
+
+    ``source`` is the response's ``meta_info`` (or its handle). ``None`` when the response
+    carries no rows of that kind. A record not stored yet (the scheduler's write is still
+    in flight) is retried until ``timeout_s``. The record is deleted once read unless
+    ``keep`` (then read it again, or drop it with :func:`discard_record`).
+
+    Raises:
+        ConfigError: ``meta_info`` holds no handle (the server sent SGLang's rows).
+        StorageError: no such record within ``timeout_s`` (taken already, discarded,
+            evicted or never stored), or the backend failed or returned a corrupt object.
+    """
+    handle = record_handle(source, kind)
+    if handle is None:
+        return None
+    out = torch.empty(handle.shape, dtype=torch.int32)
+    if out.numel() == 0:
+        return out
+    backend = _backend(handle)
+    request = GetRequest(
+        key=handle.object_key,
+        spec=tensor_spec(torch.int32, handle.shape),
+        buffers=[tensor_bytes(out)],
+    )
+    end = time.monotonic() + timeout_s
+    while True:
+        (result,) = backend.get_into([request])
+        if result.hit:
+            break
+        if result.outcome is not GetOutcome.MISS or time.monotonic() >= end:
+            raise StorageError(
+                f"RL record {handle.kind} {handle.key} in {handle.backend}: "
+                f"{result.outcome.value}"
+                + (f" ({result.error})" if result.error is not None else "")
+                + (f" after {timeout_s:g} s" if result.outcome is GetOutcome.MISS else "")
+            )
+        time.sleep(0.01)
+    if not keep:
+        backend.delete([handle.object_key])
+    return out
+
+
+def discard_record(
+    source: Mapping[str, Any] | RecordHandle | torch.Tensor, kind: str = "routed_experts"
+) -> None:
+    """Delete a record without reading it (a sample the trainer drops); absent is fine."""
+    handle = record_handle(source, kind)
+    if handle is None or handle.nbytes == 0:
+        return
+    _backend(handle).delete([handle.object_key])
+
+
+# ---------------------------------------------------------------------- install
+
+
+def install(registry: Any = None) -> None:
+    """Register the host cache (REPLACE) and the collect hooks (AROUND) with SGLang.
+
+    Call from the ``sglang.srt.plugins`` entry point (SGLang applies the hooks after the
+    plug-ins ran). ``registry`` defaults to SGLang's ``HookRegistry``.
+    """
+    if registry is None:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        registry = HookRegistry
+    from sglang.srt.plugins.hook_registry import HookType
+
+    registry.register(TARGET, StorageHostCache, HookType.REPLACE)
+    for kind, target in COLLECT_TARGETS.items():
+        registry.register(target, _collect(kind), HookType.AROUND)
