@@ -91,8 +91,8 @@ def installed() -> Iterator[Any]:
         reset_context()
 
 
-def capturer() -> Any:
-    """SGLang's routed-experts capturer, as ``ModelRunner`` builds it (on the CPU)."""
+def capturer(device: str = "cpu") -> Any:
+    """SGLang's routed-experts capturer, as ``ModelRunner`` builds it."""
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
 
     config = types.SimpleNamespace(
@@ -103,7 +103,7 @@ def capturer() -> Any:
         num_tokens=SLOTS,
         max_running_requests=4,
         num_fused_shared_experts=0,
-        device="cpu",
+        device=device,
     )
 
 
@@ -116,15 +116,22 @@ def used() -> int:
     return process_runtime(settings).used("records")
 
 
-def forward(cap: Any, slots: torch.Tensor, seed: int) -> torch.Tensor:
-    """One forward over ``slots``: every layer captures; returns what was captured."""
+def forward(cap: Any, slots: torch.Tensor, seed: int, device: str = "cpu") -> torch.Tensor:
+    """One forward over ``slots``: every layer captures; returns what was captured.
+
+    SGLang's overlap path: the capture output is copied to host by the result-copy step
+    (non-blocking into page-locked memory on CUDA), then finalized into the mirror.
+    """
     g = torch.Generator().manual_seed(seed)
     rows = torch.randint(0, 256, (slots.numel(), LAYERS, TOPK), generator=g, dtype=torch.int32)
+    on_device = rows.to(device)
     for layer in range(LAYERS):
-        cap.capture(layer, rows[:, layer, :])
-    batch = types.SimpleNamespace(out_cache_loc=slots, out_cache_loc_virtual=None)
+        cap.capture(layer, on_device[:, layer, :])
+    batch = types.SimpleNamespace(out_cache_loc=slots.to(device), out_cache_loc_virtual=None)
     output = cap.on_forward_end(batch, False, None, no_copy_to_cpu=True)
-    output.map_device_tensors(lambda t: t.to("cpu", copy=True))
+    output.map_device_tensors(lambda t: t.to("cpu", non_blocking=True))
+    if device != "cpu":
+        torch.cuda.synchronize()  # SGLang's copy_done.synchronize()
     output.finalize()
     return rows
 
@@ -270,6 +277,24 @@ def test_sglangs_capturer_runs_on_our_mirror_byte_exact(tmp_path: Path, installe
     assert host.buffer is None
     assert used() == 0
     cap.destroy()  # a second destroy does nothing
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_mirror_is_page_locked_and_the_overlap_copy_lands_exact(
+    tmp_path: Path, installed: Any
+) -> None:
+    publish(tmp_path)
+    cap = capturer("cuda")
+    host = cap.host_cache
+    assert isinstance(host, installed.StorageHostCache)
+    assert host.pool is not None
+    assert host.pool.page_locked
+    assert host.buffer.is_pinned()
+    slots = torch.randperm(SLOTS)[:20]
+    rows = forward(cap, slots, seed=3, device="cuda")
+    assert torch.equal(host.buffer[slots], rows)
+    cap.destroy()
+    assert used() == 0
 
 
 def test_a_mirror_the_budget_cannot_hold_is_refused(tmp_path: Path, installed: Any) -> None:
@@ -501,3 +526,21 @@ def test_handles_reject_what_is_not_one() -> None:
     with pytest.raises(ConfigError, match="kind"):
         record_key("logprobs", "r")
     assert record_key("routed_experts", "a/b c") != record_key("indexer_topk", "a/b c")
+
+
+def test_the_transport_flag_reaches_the_settings_every_process_reads() -> None:
+    from sglang_storage_adapters.flags import StorageFlags, extra_config
+    from sglang_storage_adapters.runtime import parse_settings
+
+    from sglang_storage.errors import ConfigError
+
+    kept = StorageFlags(backend="memory", records_transport="sglang")
+    assert parse_settings(extra_config(kept)).records_transport == "sglang"
+    default = extra_config(StorageFlags(backend="memory"))
+    assert "storage_records_transport" not in default
+    assert parse_settings(default).records_transport == "store"
+    assert parse_settings(default).enabled("records")  # served: on by default
+    with pytest.raises(ConfigError, match="records_transport"):
+        StorageFlags(backend="memory", records_transport="zmq")
+    with pytest.raises(ConfigError, match="records_transport"):
+        parse_settings({"storage_backend": "memory", "storage_records_transport": "zmq"})
