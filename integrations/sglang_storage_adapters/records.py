@@ -23,9 +23,12 @@ request at 61 layers x top-8).
   UTF-8 JSON bytes in a uint8 tensor) where the tensor was. SGLang's own code carries
   the handle unchanged: msgpack to the detokenizer, base64 into ``meta_info``; so the big
   tensor crosses no ZMQ socket and is never base64-encoded. No patch is needed.
-- The client: :func:`fetch_record` reads ``meta_info`` (or a handle), fetches the rows from
+- The client: :func:`fetch_record` reads the response (or a handle), fetches the rows from
   the backend and deletes them (``keep=True`` leaves them for a retry; then
   :func:`discard_record`). A record still being written is retried until ``timeout_s``.
+  A trainer that does not import SGLang uses
+  :func:`sglang_storage.managers.records.read_record` on
+  ``RecordHandle.from_base64(meta_info["routed_experts"])`` (the same read).
 - ``--storage-records-transport sglang`` keeps SGLang's path (the host mirror is still
   ours). Aborted requests write no record (``meta_info`` then holds no rows), so nothing is
   left behind; a retracted request has written none yet (rows are collected at finish).
@@ -36,33 +39,28 @@ the host cache builds SGLang's own and the collect hooks leave SGLang's tensor i
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-import attrs
 import torch
 
-from sglang_storage.config import instance_of, non_empty_str, one_of, tuple_of
-from sglang_storage.core import DataKind, GetOutcome, GetRequest, Namespace, PutOutcome
+from sglang_storage.core import DataKind, PutOutcome
 from sglang_storage.errors import CapacityError, ConfigError, StorageError
-from sglang_storage.managers.records import RecordStore, RecordStoreConfig, RecordWritten
-from sglang_storage.managers.runtime import BackendLease
-from sglang_storage.memory import (
-    BlobPool,
-    BlobPoolConfig,
-    RecordPool,
-    RecordPoolConfig,
-    tensor_bytes,
-    tensor_spec,
+from sglang_storage.managers.records import (
+    RecordHandle,
+    RecordStore,
+    RecordStoreConfig,
+    RecordWritten,
+    delete_record,
+    read_record,
 )
-from sglang_storage.storage import Backend, create_backend
+from sglang_storage.managers.runtime import BackendLease
+from sglang_storage.memory import BlobPool, BlobPoolConfig, RecordPool, RecordPoolConfig
 from sglang_storage.storage.keys import model_fingerprint
 from sglang_storage_adapters import require_supported_sglang
 from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
@@ -107,11 +105,8 @@ COMPONENT: Final = "records"
 STAGING_BYTES: Final = 256 << 20
 """Host bytes (per scheduler) holding finished records until storage has them. A record
 that finds no room there goes SGLang's way (base64 through ZMQ), with a warning."""
-HANDLE_PREFIX: Final = b"sglang_storage.record "
-"""The first bytes of a handle (what a client finds in place of the rows)."""
 
 _OWNER: Final = "sglang_storage RL top-k records"
-_HANDLE_OWNER: Final = "RecordHandle"
 
 
 def _settings() -> RuntimeSettings | None:
@@ -228,111 +223,48 @@ def _check_kind(kind: str) -> None:
         )  # fmt: skip
 
 
-def _json_options(value: Mapping[str, object]) -> Mapping[str, object]:
-    return dict(value)
-
-
-def _shape(value: Sequence[int]) -> tuple[int, ...]:
-    return tuple(value)
-
-
-@attrs.frozen(kw_only=True)
-class RecordHandle:
-    """Where one finished request's top-k rows are: what travels instead of the rows."""
-
-    kind: str = attrs.field(validator=one_of(*KINDS))
-    """``routed_experts`` or ``indexer_topk``."""
-    key: str = attrs.field(validator=non_empty_str)
-    """The record's name in the namespace (:func:`record_key`)."""
-    model: str = attrs.field(validator=non_empty_str)
-    """The namespace's model fingerprint."""
-    shape: tuple[int, ...] = attrs.field(converter=_shape, validator=tuple_of(instance_of(int)))
-    """``(rows, layers, top_k)``; ``rows`` may be 0 (then nothing was stored)."""
-    dtype: str = attrs.field(default="int32", validator=one_of("int32"))
-    backend: str = attrs.field(validator=non_empty_str)
-    """The sglang_storage backend holding the record."""
-    options: Mapping[str, object] = attrs.field(factory=dict, converter=_json_options)
-    """That backend's options (the file root, the Mooncake master, ...)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the rows."""
-        count = 4
-        for dim in self.shape:
-            count *= dim
-        return count
-
-    def to_bytes(self) -> bytes:
-        """The handle as it travels: :data:`HANDLE_PREFIX` and compact JSON."""
-        body = attrs.asdict(self, recurse=False)
-        body["shape"] = list(self.shape)
-        body["options"] = dict(self.options)
-        return HANDLE_PREFIX + json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> RecordHandle:
-        """Parse :meth:`to_bytes` output.
-
-        Raises:
-            ConfigError: ``data`` is not a handle (e.g. SGLang's own rows, sent under
-                ``--storage-records-transport sglang``) or is malformed.
-        """
-        if not data.startswith(HANDLE_PREFIX):
-            raise ConfigError(
-                owner=_HANDLE_OWNER,
-                field="data",
-                value=f"{len(data)} bytes",
-                reason="is not a sglang_storage record handle (the server sent the rows "
-                "themselves: --storage-records-transport sglang, or records not managed)",
-                allowed="decode them with SGLang's extract_routed_experts_from_meta_info",
-            )
-        try:
-            body = json.loads(data[len(HANDLE_PREFIX) :])
-            return cls(**body)
-        except (ValueError, TypeError) as error:
-            raise ConfigError(
-                owner=_HANDLE_OWNER, field="data", reason=f"is a malformed handle: {error}"
-            ) from None
-
-    @classmethod
-    def from_meta_info(cls, meta_info: Mapping[str, Any], kind: str) -> RecordHandle | None:
-        """The handle ``meta_info[kind]`` carries (base64, as SGLang encodes it).
-
-        ``None`` when the response has no rows of that kind (not asked for, or aborted).
-
-        Raises:
-            ConfigError: the value is not a handle (see :meth:`from_bytes`).
-        """
-        _check_kind(kind)
-        value = meta_info.get(kind)
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            raise ConfigError(
-                owner=_HANDLE_OWNER, field=f"meta_info[{kind!r}]", value=type(value).__name__,
-                reason="must be the base64 string SGLang puts there",
-            )  # fmt: skip
-        return cls.from_bytes(base64.b64decode(value))
-
-    def as_tensor(self) -> torch.Tensor:
-        """The handle as the uint8 tensor SGLang carries in place of the rows."""
-        return torch.frombuffer(bytearray(self.to_bytes()), dtype=torch.uint8)
-
-    @property
-    def object_key(self) -> Any:
-        """The backend key of the record."""
-        return Namespace(model=self.model, kind=DataKind.RECORD).key(self.key)
-
-
 def record_handle(
-    value: Mapping[str, Any] | RecordHandle | torch.Tensor, kind: str
+    source: Mapping[str, Any] | RecordHandle | torch.Tensor, kind: str = "routed_experts"
 ) -> RecordHandle | None:
-    """The handle in ``value``: a response's ``meta_info``, a handle tensor, or a handle."""
-    if isinstance(value, RecordHandle):
-        return value
-    if isinstance(value, torch.Tensor):
-        return RecordHandle.from_bytes(value.numpy().tobytes())
-    return RecordHandle.from_meta_info(value, kind)
+    """The handle in a response (or its ``meta_info``), a handle tensor, or a handle.
+
+    ``None`` when the response has no rows of ``kind`` (not asked for, or aborted).
+
+    Raises:
+        ConfigError: the rows there are not a handle: the server sent SGLang's own rows
+            (``--storage-records-transport sglang``, records not managed, or no staging
+            room for that request); decode those with SGLang's
+            ``extract_routed_experts_from_meta_info``.
+    """
+    if isinstance(source, RecordHandle):
+        return source
+    if isinstance(source, torch.Tensor):
+        return RecordHandle.from_bytes(source.numpy().tobytes())
+    _check_kind(kind)
+    inner = source.get("meta_info")
+    value = (inner if isinstance(inner, Mapping) else source).get(kind)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(
+            owner=_OWNER, field=f"meta_info[{kind!r}]", value=type(value).__name__,
+            reason="must be the base64 string SGLang puts there",
+        )  # fmt: skip
+    try:
+        return RecordHandle.from_base64(value)
+    except ConfigError as error:
+        raise ConfigError(
+            owner=_OWNER,
+            field=f"meta_info[{kind!r}]",
+            value=f"{len(value)} base64 characters",
+            reason=f"{error.reason} (the server sent the rows themselves)",
+            allowed="decode them with SGLang's extract_routed_experts_from_meta_info",
+        ) from None
+
+
+def _handle_tensor(handle: RecordHandle) -> torch.Tensor:
+    """``handle`` as the uint8 tensor SGLang carries in place of the rows."""
+    return torch.frombuffer(bytearray(handle.to_bytes()), dtype=torch.uint8)
 
 
 # ---------------------------------------------------------------------- scheduler side
@@ -397,12 +329,14 @@ class RecordPublisher:
         self.drain()
         key = record_key(kind, rid)
         handle = RecordHandle(
-            kind=kind,
             key=key,
             model=self._model,
+            kind=DataKind.RECORD,
             shape=tuple(int(d) for d in rows.shape),
+            dtype="int32",
             backend=self._settings.backend,
             options=dict(self._settings.backend_options),
+            tag=kind,
         )
         if rows.numel() == 0:
             return handle  # nothing to store; the client gets an empty tensor
@@ -501,25 +435,13 @@ def _collect(kind: str) -> Callable[..., None]:
             )
             return
         if handle is not None:
-            setattr(req, kind, handle.as_tensor())
+            setattr(req, kind, _handle_tensor(handle))
 
     around.__name__ = f"sglang_storage_collect_{kind}"
     return around
 
 
 # ---------------------------------------------------------------------- client side
-
-_backends: dict[tuple[str, str], Backend] = {}
-_backends_lock = threading.Lock()
-
-
-def _backend(handle: RecordHandle) -> Backend:
-    key = (handle.backend, json.dumps(dict(handle.options), sort_keys=True))
-    with _backends_lock:
-        backend = _backends.get(key)
-        if backend is None:
-            backend = _backends[key] = create_backend(handle.backend, dict(handle.options))
-        return backend
 
 
 def fetch_record(
@@ -528,57 +450,44 @@ def fetch_record(
     *,
     timeout_s: float = 30.0,
     keep: bool = False,
+    backend_options: Mapping[str, object] | None = None,
 ) -> torch.Tensor | None:
     """A finished request's ``kind`` rows, ``[rows, layers, top_k]`` int32, from storage.
 
-    ``source`` is the response's ``meta_info`` (or its handle). ``None`` when the response
-    carries no rows of that kind. A record not stored yet (the scheduler's write is still
-    in flight) is retried until ``timeout_s``. The record is deleted once read unless
-    ``keep`` (then read it again, or drop it with :func:`discard_record`).
+    ``source`` is the response (or its ``meta_info``, or the handle); ``None`` when it
+    carries no rows of that kind. A record still being written is retried until
+    ``timeout_s``; it is deleted once read unless ``keep`` (then read it again, or drop it
+    with :func:`discard_record`). ``backend_options`` replace the server's (e.g. the file
+    root as this host mounts it). A reader that should not import SGLang calls
+    :func:`sglang_storage.managers.records.read_record` with
+    ``RecordHandle.from_base64(meta_info[kind])``: this is that, with the checks.
 
     Raises:
-        ConfigError: ``meta_info`` holds no handle (the server sent SGLang's rows).
+        ConfigError: the response holds SGLang's rows, not a handle (see
+            :func:`record_handle`).
         StorageError: no such record within ``timeout_s`` (taken already, discarded,
             evicted or never stored), or the backend failed or returned a corrupt object.
     """
     handle = record_handle(source, kind)
     if handle is None:
         return None
-    out = torch.empty(handle.shape, dtype=torch.int32)
-    if out.numel() == 0:
-        return out
-    backend = _backend(handle)
-    request = GetRequest(
-        key=handle.object_key,
-        spec=tensor_spec(torch.int32, handle.shape),
-        buffers=[tensor_bytes(out)],
-    )
-    end = time.monotonic() + timeout_s
-    while True:
-        (result,) = backend.get_into([request])
-        if result.hit:
-            break
-        if result.outcome is not GetOutcome.MISS or time.monotonic() >= end:
-            raise StorageError(
-                f"RL record {handle.kind} {handle.key} in {handle.backend}: "
-                f"{result.outcome.value}"
-                + (f" ({result.error})" if result.error is not None else "")
-                + (f" after {timeout_s:g} s" if result.outcome is GetOutcome.MISS else "")
-            )
-        time.sleep(0.01)
-    if not keep:
-        backend.delete([handle.object_key])
-    return out
+    return read_record(handle, timeout_s=timeout_s, keep=keep, backend_options=backend_options)
 
 
 def discard_record(
-    source: Mapping[str, Any] | RecordHandle | torch.Tensor, kind: str = "routed_experts"
+    source: Mapping[str, Any] | RecordHandle | torch.Tensor,
+    kind: str = "routed_experts",
+    *,
+    backend_options: Mapping[str, object] | None = None,
 ) -> None:
-    """Delete a record without reading it (a sample the trainer drops); absent is fine."""
+    """Delete a record without reading it (a sample the trainer drops); absent is fine.
+
+    Raises:
+        StorageError: the backend failed to delete it.
+    """
     handle = record_handle(source, kind)
-    if handle is None or handle.nbytes == 0:
-        return
-    _backend(handle).delete([handle.object_key])
+    if handle is not None:
+        delete_record(handle, backend_options=backend_options)
 
 
 # ---------------------------------------------------------------------- install

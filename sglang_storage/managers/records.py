@@ -17,6 +17,11 @@ which the pipeline does not carry). Contract, one line each:
 - ``discard(key)`` - drop a record without reading it (an aborted request).
 - ``poll(timeout_s)`` - finished storage work as :class:`RecordWritten` / :class:`RecordTaken`.
 
+A reader in another process that holds no store (an RL trainer) gets a
+:class:`RecordHandle` from the writer (the key, spec and backend location, a few hundred
+bytes that travel where the record would have) and calls :func:`read_record` (read once,
+then delete; ``keep=True`` to read again) or :func:`delete_record` (drop it unread).
+
 With storage, a stored record's host copy is dropped (unless ``keep_host_copy``), so the
 reader may be another process. Not thread-safe: one owner thread calls every method. The
 store drains its pipeline's completions, so the pipeline must not be shared.
@@ -24,19 +29,28 @@ store drains its pipeline's completions, so the pipeline must not be shared.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import enum
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Final
 
 import attrs
 import torch
 
-from sglang_storage.config import instance_of
+from sglang_storage.config import instance_of, non_empty_str, non_negative_int, tuple_of
 from sglang_storage.core import (
     DataKind,
+    EvictionPolicy,
     GetOutcome,
     GetRequest,
     GetResult,
     Namespace,
+    ObjectKey,
     ObjectSpec,
     PutOutcome,
     PutRequest,
@@ -44,17 +58,27 @@ from sglang_storage.core import (
 )
 from sglang_storage.errors import ConfigError, StateError, StorageError
 from sglang_storage.memory import BlobPool, tensor_bytes, tensor_spec
-from sglang_storage.storage import Backend
+from sglang_storage.memory.layouts import ELEMENT_DTYPES
+from sglang_storage.memory.tensors import dtype_name
+from sglang_storage.policy.eviction import EvictionConfig, make_eviction_policy
+from sglang_storage.storage import Backend, create_backend
 from sglang_storage.transfer import AnyHandle, Priority, StoragePipeline
 
 __all__ = [
+    "HANDLE_PREFIX",
     "RecordEvent",
+    "RecordHandle",
     "RecordStore",
     "RecordStoreConfig",
     "RecordTaken",
     "RecordWritten",
     "TakeOutcome",
+    "close_readers",
+    "delete_record",
+    "read_record",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class TakeOutcome(enum.Enum):
@@ -308,3 +332,227 @@ class RecordStore:
         view = self._pool.view(key, dtype, spec.shape)
         assert view is not None  # only called for keys in the pool
         return view
+
+
+# ---------------------------------------------------------------------- handles and readers
+
+HANDLE_PREFIX: Final = b"sglang_storage.record "
+"""The first bytes of :meth:`RecordHandle.to_bytes` (what tells a handle from raw rows)."""
+_DTYPES: Final = tuple(dtype_name(d) for d in ELEMENT_DTYPES)
+
+
+def _options(value: Mapping[str, object]) -> Mapping[str, object]:
+    return dict(value)
+
+
+def _shape(value: Sequence[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+def _dtype(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if value not in _DTYPES:
+        raise ConfigError(
+            owner=type(instance).__name__,
+            field=attribute.name,
+            value=value,
+            reason="is not an element type a record holds",
+            allowed=", ".join(_DTYPES),
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RecordHandle:
+    """Where one stored record is, for a reader in another process.
+
+    Built by the writer once the record is written (its put may still be in flight:
+    :func:`read_record` retries a miss); small, JSON-serialisable (:meth:`to_bytes`).
+    """
+
+    key: str = attrs.field(validator=non_empty_str)
+    """The record's name in the namespace (what ``RecordStore.write`` was given)."""
+    model: str = attrs.field(validator=non_empty_str)
+    """The namespace's model fingerprint (``RecordStoreConfig.model``)."""
+    kind: DataKind = attrs.field(default=DataKind.RECORD, converter=DataKind)
+    """The namespace's data kind (``RecordStoreConfig.kind``)."""
+    shape: tuple[int, ...] = attrs.field(converter=_shape, validator=tuple_of(non_negative_int))
+    """The record's shape; a record with no elements was never stored."""
+    dtype: str = attrs.field(validator=_dtype)
+    """Its element type, by name (``"int32"``)."""
+    backend: str = attrs.field(validator=non_empty_str)
+    """The registered backend name that holds it (``file``, ``mooncake``, ...)."""
+    options: Mapping[str, object] = attrs.field(factory=dict, converter=_options)
+    """That backend's options, as JSON shapes (the file root, the Mooncake master, ...)."""
+    tag: str = attrs.field(default="", validator=instance_of(str))
+    """What the writer says the record is (e.g. ``routed_experts``)."""
+
+    def __attrs_post_init__(self) -> None:
+        self.object_key  # noqa: B018  # checks the names
+
+    @property
+    def object_key(self) -> ObjectKey:
+        """The record's key in the backend."""
+        return Namespace(model=self.model, kind=self.kind).key(self.key)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The element type."""
+        dtype = getattr(torch, self.dtype)
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the record."""
+        count = self.torch_dtype.itemsize
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    def to_bytes(self) -> bytes:
+        """:data:`HANDLE_PREFIX` and compact JSON (a few hundred bytes)."""
+        body = {
+            "key": self.key,
+            "model": self.model,
+            "kind": self.kind.value,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "backend": self.backend,
+            "options": dict(self.options),
+            "tag": self.tag,
+        }
+        return HANDLE_PREFIX + json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RecordHandle:
+        """Parse :meth:`to_bytes` output.
+
+        Raises:
+            ConfigError: ``data`` is not a handle (does not start with
+                :data:`HANDLE_PREFIX`) or is malformed.
+        """
+        if not data.startswith(HANDLE_PREFIX):
+            raise ConfigError(
+                owner="RecordHandle",
+                field="data",
+                value=f"{len(data)} bytes",
+                reason="is not a sglang_storage record handle",
+                allowed=f"bytes starting with {HANDLE_PREFIX!r}",
+            )
+        try:
+            body = json.loads(data[len(HANDLE_PREFIX) :])
+            return cls(**body)
+        except (ValueError, TypeError) as error:
+            raise ConfigError(
+                owner="RecordHandle", field="data", reason=f"is a malformed handle: {error}"
+            ) from None
+
+    @classmethod
+    def from_base64(cls, text: str) -> RecordHandle:
+        """Parse the base64 of :meth:`to_bytes` (as an HTTP JSON body carries it).
+
+        Raises:
+            ConfigError: not base64, or not a handle (see :meth:`from_bytes`).
+        """
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (ValueError, TypeError) as error:
+            raise ConfigError(
+                owner="RecordHandle", field="text", reason=f"is not base64: {error}"
+            ) from None
+        return cls.from_bytes(data)
+
+
+_readers: dict[str, Backend] = {}
+_readers_lock = threading.Lock()
+
+
+def _reader(handle: RecordHandle, override: Mapping[str, object] | None) -> Backend:
+    """This process's backend for ``handle`` (one per backend and options, kept open)."""
+    options = dict(handle.options if override is None else override)
+    if handle.backend == "mooncake" and override is None:
+        options["global_segment_size"] = 0  # a reader contributes no memory to the cluster
+    name = json.dumps([handle.backend, options], sort_keys=True, default=str)
+    with _readers_lock:
+        backend = _readers.get(name)
+        if backend is None:
+            eviction: EvictionPolicy[ObjectKey] | None = None
+            if options.get("capacity_bytes") is not None:  # the writer's cap, same options
+                eviction = make_eviction_policy(EvictionConfig())
+            backend = _readers[name] = create_backend(handle.backend, options, eviction=eviction)
+        return backend
+
+
+def read_record(
+    handle: RecordHandle,
+    *,
+    timeout_s: float = 30.0,
+    keep: bool = False,
+    backend_options: Mapping[str, object] | None = None,
+) -> torch.Tensor:
+    """The record ``handle`` names, read from its backend, then deleted there unless ``keep``.
+
+    A miss is retried until ``timeout_s`` (the writer's put may still be in flight).
+    ``backend_options`` replace the writer's (e.g. the file root as this host mounts it);
+    a Mooncake reader mounts no segment of its own.
+
+    Raises:
+        StorageError: still a miss after ``timeout_s`` (taken already, deleted, evicted or
+            never stored), a corrupt object (a checksum or spec mismatch), or a backend
+            error.
+        ConfigError: ``timeout_s`` is negative, or bad backend options.
+    """
+    if not timeout_s >= 0:
+        raise ConfigError(
+            owner="read_record", field="timeout_s", value=timeout_s, reason="must be >= 0"
+        )
+    out = torch.empty(handle.shape, dtype=handle.torch_dtype)
+    if out.numel() == 0:
+        return out
+    backend = _reader(handle, backend_options)
+    request = GetRequest(
+        key=handle.object_key,
+        spec=tensor_spec(out.dtype, handle.shape),
+        buffers=[tensor_bytes(out)],
+    )
+    end = time.monotonic() + timeout_s
+    while True:
+        (result,) = backend.get_into([request])
+        if result.hit:
+            break
+        if result.outcome is not GetOutcome.MISS or time.monotonic() >= end:
+            waited = f" after {timeout_s:g} s" if result.outcome is GetOutcome.MISS else ""
+            detail = f" ({result.error})" if result.error is not None else ""
+            raise StorageError(
+                f"record {handle.key!r} ({handle.tag or handle.kind.value}) in "
+                f"{handle.backend}: {result.outcome.value}{waited}{detail}"
+            )
+        time.sleep(0.01)
+    if not keep:
+        try:
+            backend.delete([handle.object_key])
+        except StorageError as error:  # read already; the object ages out of storage
+            log.warning("deleting record %r after reading it failed: %s", handle.key, error)
+    return out
+
+
+def delete_record(
+    handle: RecordHandle, *, backend_options: Mapping[str, object] | None = None
+) -> None:
+    """Delete the record ``handle`` names without reading it (absent is fine).
+
+    Raises:
+        StorageError: the backend failed.
+    """
+    if handle.nbytes == 0:
+        return
+    _reader(handle, backend_options).delete([handle.object_key])
+
+
+def close_readers() -> None:
+    """Close the backends :func:`read_record` and :func:`delete_record` opened here."""
+    with _readers_lock:
+        backends = list(_readers.values())
+        _readers.clear()
+    for backend in backends:
+        with contextlib.suppress(StorageError):
+            backend.close()

@@ -225,15 +225,16 @@ def msgpack_roundtrip(tensor: torch.Tensor) -> torch.Tensor:
 
 READER = """
 import json, sys, torch
-from sglang_storage_adapters.records import fetch_record
+from sglang_storage.managers.records import RecordHandle, read_record
 meta = json.loads(sys.argv[1])
-rows = fetch_record(meta, "routed_experts", timeout_s=20.0)
+rows = read_record(RecordHandle.from_base64(meta["routed_experts"]), timeout_s=20.0)
 torch.save(rows, sys.argv[2])
+assert "sglang" not in sys.modules  # a trainer reads without importing SGLang
 """
 
 
 def read_in_child(meta: dict[str, Any], out: Path) -> torch.Tensor:
-    """The client: another process reads the record from the handle in ``meta``."""
+    """The client: another process (no SGLang) reads the record from the handle in ``meta``."""
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(READER), json.dumps(meta), str(out)],
         capture_output=True,
@@ -337,7 +338,7 @@ def test_a_finished_request_travels_as_a_handle_and_another_process_reads_it(
     assert handle_tensor.dtype == torch.uint8
     assert handle_tensor.numel() < 600  # a handle, not 14 rows x 4 layers x top-3
     meta = meta_info(handle_tensor)
-    handle = installed.RecordHandle.from_meta_info(meta, "routed_experts")
+    handle = installed.record_handle(meta, "routed_experts")
     assert handle.shape == (14, LAYERS, TOPK)
     assert handle.backend == "file"
 
@@ -360,11 +361,15 @@ def test_a_finished_request_travels_as_a_handle_and_another_process_reads_it(
 def test_keep_leaves_the_record_for_a_retry_until_discarded(tmp_path: Path, installed: Any) -> None:
     from sglang_storage.errors import StorageError
 
-    publish(tmp_path / "store")
+    capped: dict[str, object] = {"root": str(tmp_path / "store"), "capacity_bytes": "64MiB"}
+    publish(tmp_path, options=capped)
     cap = capturer()
     req, processor, expected = finished_request(cap, prompt=5, generated=3, rid="retry")
     collect(req, processor, cap)
     meta = meta_info(req.routed_experts)
+    assert installed.record_handle({"meta_info": meta}, "routed_experts") == (
+        installed.record_handle(meta, "routed_experts")
+    )  # a whole response, or its meta_info
     first = installed.fetch_record(meta, timeout_s=10.0, keep=True)
     again = installed.fetch_record(meta, timeout_s=1.0, keep=True)
     assert torch.equal(first, expected)
@@ -438,7 +443,7 @@ def test_indexer_rows_are_stored_only_for_requests_that_ask(tmp_path: Path, inst
     SchedulerBatchResultProcessor._maybe_collect_indexer_topk(processor, req)
     handle = installed.record_handle(req.indexer_topk, "indexer_topk")
     assert handle is not None
-    assert handle.kind == "indexer_topk"
+    assert handle.tag == "indexer_topk"
     rows = installed.fetch_record(handle, "indexer_topk", timeout_s=10.0)
     assert rows is not None
     assert rows.numpy().tobytes() == expected.numpy().tobytes()
@@ -453,22 +458,22 @@ def test_wire_bytes_of_a_32k_token_rollout(tmp_path: Path, installed: Any) -> No
 
     rows = torch.randint(0, 256, (32767, 61, 8), dtype=torch.int32)
     start = time.perf_counter()
-    handle = installed.RecordPublisher(
+    writer = installed.RecordPublisher(
         installed._settings(), model="dummy-moe", staging_bytes=80 << 20
     )
     try:
-        handle_tensor = handle.publish("routed_experts", "rollout-32k", rows)
-        assert handle_tensor is not None
+        handle = writer.publish("routed_experts", "rollout-32k", rows)
+        assert handle is not None
         publish_s = time.perf_counter() - start
-        ours = wire_bytes(handle_tensor.as_tensor())
-        sglangs = wire_bytes(rows)
-        (b64_ours,) = DetokenizerManager._b64_encode_per_request([handle_tensor.as_tensor()])
+        sent = installed._handle_tensor(handle)  # what replaces the rows in the Req
+        ours, sglangs = wire_bytes(sent), wire_bytes(rows)
+        (b64_ours,) = DetokenizerManager._b64_encode_per_request([sent])
         (b64_sglang,) = DetokenizerManager._b64_encode_per_request([rows])
         start = time.perf_counter()
-        back = installed.fetch_record(handle_tensor, timeout_s=30.0)
+        back = installed.fetch_record(handle, timeout_s=30.0)
         fetch_s = time.perf_counter() - start
     finally:
-        handle.close()
+        writer.close()
     assert back is not None
     assert back.numpy().tobytes() == rows.numpy().tobytes()
     print(
@@ -489,6 +494,7 @@ def test_a_record_round_trips_through_a_real_mooncake_cluster(
     from support.mooncake import MooncakeCluster, mooncake_master_path
 
     from sglang_storage.errors import StorageError
+    from sglang_storage.managers.records import close_readers
 
     if mooncake_master_path() is None:
         pytest.skip("mooncake_master is not installed")
@@ -498,31 +504,35 @@ def test_a_record_round_trips_through_a_real_mooncake_cluster(
         req, processor, expected = finished_request(cap, prompt=8, generated=4, rid="mc-1")
         collect(req, processor, cap)
         meta = meta_info(req.routed_experts)
-        assert installed.RecordHandle.from_meta_info(meta, "routed_experts").backend == "mooncake"
-        # In this process (the file test reads from another one): a client of its own.
-        installed._backends.clear()
-        rows = installed.fetch_record(meta, timeout_s=20.0)
-        assert rows is not None
-        assert rows.numpy().tobytes() == expected.numpy().tobytes()
-        with pytest.raises(StorageError, match="miss"):  # taken: deleted from the cluster
-            installed.fetch_record(meta, timeout_s=0.1)
-        for publisher in installed._publishers.values():
-            publisher.close()
-        installed._publishers.clear()
-        cap.destroy()
+        assert installed.record_handle(meta, "routed_experts").backend == "mooncake"
+        # In this process (the file test reads from another one), with a client of its own.
+        try:
+            rows = installed.fetch_record(meta, timeout_s=20.0)
+            assert rows is not None
+            assert rows.numpy().tobytes() == expected.numpy().tobytes()
+            with pytest.raises(StorageError, match="miss"):  # taken: deleted from the cluster
+                installed.fetch_record(meta, timeout_s=0.1)
+        finally:
+            close_readers()
+            for publisher in installed._publishers.values():
+                publisher.close()
+            installed._publishers.clear()
+            cap.destroy()
 
 
 def test_handles_reject_what_is_not_one() -> None:
-    from sglang_storage_adapters.records import RecordHandle, record_key
+    from sglang_storage_adapters.records import record_handle, record_key
 
     from sglang_storage.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="not a sglang_storage record handle"):
-        RecordHandle.from_meta_info(
-            {"routed_experts": base64.b64encode(b"\0" * 12).decode()}, "routed_experts"
-        )
-    with pytest.raises(ConfigError, match="malformed"):
-        RecordHandle.from_bytes(b"sglang_storage.record {")
+    rows = {"routed_experts": base64.b64encode(b"\0" * 12).decode()}
+    with pytest.raises(ConfigError, match="extract_routed_experts_from_meta_info"):
+        record_handle(rows, "routed_experts")
+    with pytest.raises(ConfigError, match="base64 string"):
+        record_handle({"routed_experts": [1, 2]}, "routed_experts")
+    assert record_handle({"meta_info": {}}, "indexer_topk") is None
+    with pytest.raises(ConfigError, match="kind"):
+        record_handle({}, "logprobs")
     with pytest.raises(ConfigError, match="kind"):
         record_key("logprobs", "r")
     assert record_key("routed_experts", "a/b c") != record_key("indexer_topk", "a/b c")
