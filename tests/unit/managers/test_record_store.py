@@ -7,12 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+import attrs
 import pytest
 import torch
 from support.faults import FaultyBackend, PipelineCloser
 
 from sglang_storage.core import GetOutcome, PutOutcome
-from sglang_storage.errors import ConfigError, StateError
+from sglang_storage.errors import ConfigError, StateError, StorageError
 from sglang_storage.managers.records import (
     RecordEvent,
     RecordStore,
@@ -306,3 +307,63 @@ def test_bad_configuration_and_arguments_are_config_errors(backend: Backend) -> 
     with pytest.raises(ConfigError):
         store.write("empty", torch.ones(0))
     assert store.take("absent", torch.ones(1)) is TakeOutcome.MISS
+
+
+# ---------------------------------------------------------------- handles and readers
+
+
+def test_a_handle_names_a_record_another_reader_reads_once(tmp_path: Path) -> None:
+    from sglang_storage.managers.records import (
+        RecordHandle,
+        close_readers,
+        delete_record,
+        read_record,
+    )
+
+    root = tmp_path / "store"
+    backend = FileBackend(FileBackendConfig(root=root))
+    store, _, _ = _parts(backend)
+    value = torch.randint(0, 1 << 20, (5, 4, 3), dtype=torch.int32)
+    store.write("req-7.routed_experts", value)
+    handle = RecordHandle(
+        key="req-7.routed_experts",
+        model=store.config.model,
+        shape=tuple(value.shape),
+        dtype="int32",
+        backend="file",
+        options={"root": str(root)},
+        tag="routed_experts",
+    )
+    assert RecordHandle.from_bytes(handle.to_bytes()) == handle
+    assert len(handle.to_bytes()) < 400
+    try:
+        kept = read_record(handle, timeout_s=WAIT_S, keep=True)  # retried until stored
+        assert _same_bytes(kept, value)
+        assert _same_bytes(read_record(handle, timeout_s=0.0), value)  # read, then deleted
+        with pytest.raises(StorageError, match="miss"):
+            read_record(handle, timeout_s=0.05)
+        delete_record(handle)  # absent is fine
+        empty = attrs.evolve(handle, shape=(0, 4, 3))
+        assert read_record(empty, timeout_s=0.0).shape == (0, 4, 3)
+    finally:
+        close_readers()
+        _PIPELINES.close_all()
+        backend.close()
+
+
+def test_handles_reject_what_is_not_one() -> None:
+    from sglang_storage.managers.records import RecordHandle, read_record
+
+    good = RecordHandle(key="k", model="m", shape=(2,), dtype="int32", backend="memory")
+    with pytest.raises(ConfigError, match="not a sglang_storage record handle"):
+        RecordHandle.from_bytes(b"\0" * 8)
+    with pytest.raises(ConfigError, match="malformed"):
+        RecordHandle.from_bytes(b"sglang_storage.record {")
+    with pytest.raises(ConfigError, match="base64"):
+        RecordHandle.from_base64("***")
+    with pytest.raises(ConfigError, match="element type"):
+        attrs.evolve(good, dtype="int128")
+    with pytest.raises(ConfigError):
+        attrs.evolve(good, key="bad key")
+    with pytest.raises(ConfigError, match="timeout_s"):
+        read_record(good, timeout_s=-1.0)
