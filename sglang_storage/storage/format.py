@@ -138,7 +138,9 @@ class HeaderTemplate:
         # What a read header is compared with, field by field (see expected_checksum).
         self._head = self._fixed[:_CRC_OFFSET]
         self._lengths = self._fixed[16:24]
-        self._shape = self._fixed[32:]
+        self._middle = self._fixed[32:] + self._before
+        """Shape and the names before the object's: bytes 32 up to the name's length."""
+        self._name_at = 32 + len(self._middle)
 
     def header(self, name: str, payload_checksum: int) -> bytes:
         """The complete header of the object called ``name`` with that payload checksum.
@@ -171,19 +173,24 @@ class HeaderTemplate:
         """
         if len(raw) < HEADER_SIZE:
             return None
-        # bytes/bytearray slices compare with memcmp (memoryview compares item by item).
+        # startswith/count on bytes and bytearray compare in place, with memcmp (slices
+        # would copy; memoryview compares item by item).
         header = raw if isinstance(raw, (bytes, bytearray)) else bytes(raw[:HEADER_SIZE])
         encoded = name.encode()
-        strings = b"".join((self._shape, self._before, bytes([len(encoded)]), encoded, self._after))
-        end = 32 + len(strings)
+        at = self._name_at
+        after = at + 1 + len(encoded)
+        end = after + len(self._after)
         # Every byte but the two checksums must be the template's. The header checksum
         # adds nothing then; the payload checksum is checked against the payload.
         if (
             end > HEADER_SIZE
-            or header[:_CRC_OFFSET] != self._head
-            or header[16:24] != self._lengths
-            or header[32:end] != strings
-            or header[end:HEADER_SIZE] != _ZEROS[: HEADER_SIZE - end]
+            or not header.startswith(self._head)
+            or not header.startswith(self._lengths, 16)
+            or not header.startswith(self._middle, 32)
+            or header[at] != len(encoded)
+            or not header.startswith(encoded, at + 1)
+            or not header.startswith(self._after, after)
+            or header.count(0, end, HEADER_SIZE) != HEADER_SIZE - end
         ):
             return None
         return int.from_bytes(header[24:32], "little")
