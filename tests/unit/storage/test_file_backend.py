@@ -38,6 +38,7 @@ from support.backend_conformance import (
 from sglang_storage.core import (
     DataKind,
     GetOutcome,
+    GetRequest,
     ObjectKey,
     ObjectSpec,
     PutOutcome,
@@ -53,7 +54,7 @@ from sglang_storage.errors import (
 )
 from sglang_storage.policy.eviction import EvictionConfig, make_eviction_policy
 from sglang_storage.storage import Durability, FileBackend, FileBackendConfig, create_backend
-from sglang_storage.storage.file import MARKER
+from sglang_storage.storage.file import MARKER, SPREAD_READ_BYTES
 from sglang_storage.storage.format import FORMAT_VERSION, HEADER_SIZE
 from sglang_storage.storage.posix import TempNames, create_temp, temp_writer
 
@@ -389,6 +390,40 @@ def test_corrupt_file_is_moved_to_quarantine(tmp_path: Path) -> None:
         assert moved.name.endswith(".to-quarantine")
         assert backend.quarantined == 1
         assert data != bytes(raw[HEADER_SIZE:])
+
+
+@pytest.mark.parametrize("nbytes", [SPREAD_READ_BYTES // 3, SPREAD_READ_BYTES + 4096])
+def test_batch_read_gives_each_key_its_outcome(tmp_path: Path, nbytes: int) -> None:
+    # Below SPREAD_READ_BYTES the batch is read on the caller's thread, above it on two.
+    with open_file(tmp_path, io_threads=2) as backend:
+        keys = [namespace().key(f"page-{i}") for i in range(8)]
+        stored = {key: store(backend, key, nbytes) for key in keys if key.name != "page-3"}
+        damaged = backend.path_of(keys[5])
+        raw = bytearray(damaged.read_bytes())
+        raw[HEADER_SIZE + nbytes // 2] ^= 1
+        damaged.write_bytes(raw)
+        targets = [bytearray([0xA5]) * nbytes for _ in keys]
+        spec = ObjectSpec.raw(nbytes)
+        results = backend.get_into(
+            [
+                GetRequest(key=key, spec=spec, buffers=as_buffers(memoryview(target)))
+                for key, target in zip(keys, targets, strict=True)
+            ]
+        )
+        assert [r.key for r in results] == keys
+        outcomes = [r.outcome for r in results]
+        assert (
+            outcomes
+            == [GetOutcome.HIT] * 3
+            + [GetOutcome.MISS, GetOutcome.HIT]
+            + [GetOutcome.CORRUPT]
+            + [GetOutcome.HIT] * 2
+        )
+        for i, key in enumerate(keys):
+            if outcomes[i] is GetOutcome.HIT:
+                assert bytes(targets[i]) == stored[key]
+        assert bytes(targets[5]) == bytes(nbytes)
+        assert backend.quarantined == 1
 
 
 def test_two_instances_share_one_root(tmp_path: Path) -> None:
