@@ -47,6 +47,7 @@ from sglang_storage.cli.settings import (
     MANAGER_NAMES,
     MAX_CONFIG_BYTES,
     PREFETCH_POLICIES,
+    RECORDS_TRANSPORTS,
     WRITE_POLICIES,
     StorageSettings,
     load_settings,
@@ -77,6 +78,7 @@ __all__ = [
     "LOG_LEVELS",
     "MANAGER_NAMES",
     "PREFETCH_POLICIES",
+    "RECORDS_TRANSPORTS",
     "SGLANG_DEFAULTS",
     "STORAGE_DESTS",
     "WRITE_POLICIES",
@@ -504,6 +506,17 @@ def _flags() -> tuple[_Flag, ...]:
             choices=LOG_LEVELS,
         ),
         _Flag(
+            "--storage-records-transport",
+            "storage_records_transport",
+            None,
+            "How a finished request's RL top-k rows (--enable-return-routed-experts, "
+            "--enable-return-indexer-topk) reach the client under --storage-managers "
+            "records: store (written to the storage backend; meta_info carries a small "
+            "handle that sglang_storage_adapters.records.fetch_record reads) or sglang "
+            "(SGLang's base64 through ZMQ). Default: store.",
+            choices=RECORDS_TRANSPORTS,
+        ),
+        _Flag(
             "--storage-managers",
             "storage_managers",
             "LIST",
@@ -528,6 +541,7 @@ STORAGE_DESTS: Final = (
     "storage_prefetch_timeout_per_ki_token",
     "storage_load_policy",
     "storage_log_level",
+    "storage_records_transport",
     "storage_managers",
 )
 """The argparse destinations of the ``--storage-*`` flags (none is a ServerArgs field)."""
@@ -602,6 +616,10 @@ class StorageFlags:
     """Which storage hits are prefetched (``always`` when None)."""
     log_level: str | None = attrs.field(default=None, validator=optional(one_of(*LOG_LEVELS)))
     """The sglang_storage loggers' level (SGLang's when None)."""
+    records_transport: str | None = attrs.field(
+        default=None, validator=optional(one_of(*RECORDS_TRANSPORTS))
+    )
+    """How RL top-k records reach the client (``store`` when None)."""
     managers: tuple[str, ...] = attrs.field(
         default=AVAILABLE_MANAGERS, validator=tuple_of(one_of(*MANAGER_NAMES))
     )
@@ -679,6 +697,7 @@ def storage_flags_from_args(args: argparse.Namespace) -> StorageFlags | None:
         prefetch_timeout_per_ki_token=given.get("storage_prefetch_timeout_per_ki_token"),
         load_policy=given.get("storage_load_policy"),
         log_level=given.get("storage_log_level"),
+        records_transport=given.get("storage_records_transport"),
         managers=given.get("storage_managers", AVAILABLE_MANAGERS),
         file_storage_path=getattr(args, "file_storage_path", None) or None,
     )
@@ -707,6 +726,8 @@ def extra_config(flags: StorageFlags) -> dict[str, object]:
         config[HOST_POOL_BYTES_KEY] = flags.host_memory_bytes
     if flags.log_level is not None:
         config["storage_log_level"] = flags.log_level
+    if flags.records_transport is not None:
+        config["storage_records_transport"] = flags.records_transport
     prefetch = {
         "prefetch_threshold": flags.prefetch_threshold,
         "prefetch_timeout_base": flags.prefetch_timeout_base,

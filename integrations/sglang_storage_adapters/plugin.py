@@ -51,6 +51,9 @@ INSTALLERS: Final[tuple[str, ...]] = (
     # Engram host tables: HookRegistry class REPLACE of _HostTable, AROUND on
     # EngramEmbedding._load_rows (rows restored from storage are not loaded again).
     "sglang_storage_adapters.engram:install",
+    # RL top-k capture: HookRegistry class REPLACE of BaseHostCache, AROUND on the
+    # scheduler's _maybe_collect_routed_experts / _maybe_collect_indexer_topk.
+    "sglang_storage_adapters.records:install",
 )
 """Every adapter's installer, ``"module:function"``; append yours here."""
 

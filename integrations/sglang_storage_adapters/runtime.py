@@ -24,9 +24,10 @@ Extra-config keys (any other is a :class:`~sglang_storage.errors.ConfigError`):
 (the policy of a capped backend), ``host_memory`` (the process's host memory budget; when
 absent, what the components ask, up to the host's share per rank), ``host_reservations``
 (bytes per component: ``kv``, ``decode``, ``sparse``, ``embedding``, ``experts``,
-``weights``, ``engram``),
+``weights``, ``engram``, ``records``),
 ``storage_load_policy`` (read by the HiCache controller), ``storage_log_level`` (the
-sglang_storage loggers' level, applied when the runtime is built); and SGLang's own
+sglang_storage loggers' level, applied when the runtime is built), ``storage_records_transport``
+(``store`` or ``sglang``, read by the records adapter); and SGLang's own
 (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, ``allocator``,
 ``file_storage_path``, ``prefetch_*``, ``hicache_storage_pass_prefix_keys``,
 ``tp_lcm_size``).
@@ -53,7 +54,12 @@ from sglang_storage.managers.runtime import COMPONENTS, RankLayout, RuntimeConfi
 from sglang_storage.policy.eviction import EvictionConfig
 from sglang_storage.storage import backend_entry, backend_names
 from sglang_storage.units import format_bytes, parse_bytes
-from sglang_storage_adapters.flags import DYNAMIC_BACKEND_NAME, LOAD_POLICIES, MANAGER_NAMES
+from sglang_storage_adapters.flags import (
+    DYNAMIC_BACKEND_NAME,
+    LOAD_POLICIES,
+    MANAGER_NAMES,
+    RECORDS_TRANSPORTS,
+)
 
 __all__ = [
     "RuntimeSettings",
@@ -94,6 +100,7 @@ _OUR_KEYS: Final = frozenset(
         "host_reservations",
         "storage_load_policy",
         "storage_log_level",
+        "storage_records_transport",
     }
 )
 
@@ -127,6 +134,8 @@ class RuntimeSettings:
     """Which storage hits the HiCache controller prefetches (``--storage-load-policy``)."""
     log_level: str | None = attrs.field(default=None, validator=optional(one_of(*LOG_LEVELS)))
     """The sglang_storage loggers' level (``--storage-log-level``; SGLang's when None)."""
+    records_transport: str = attrs.field(default="store", validator=one_of(*RECORDS_TRANSPORTS))
+    """How RL top-k records reach the client (``--storage-records-transport``)."""
 
     def enabled(self, manager: str) -> bool:
         """Whether ``manager`` (one of :data:`~.flags.MANAGER_NAMES`) is switched on."""
@@ -157,6 +166,7 @@ class RuntimeSettings:
                 experts=reserved.get("experts", 0),
                 weights=reserved.get("weights", 0),
                 engram=reserved.get("engram", 0),
+                records=reserved.get("records", 0),
                 eviction=self.eviction,
                 ranks_per_host=ranks_per_host,
             )
@@ -238,6 +248,9 @@ def parse_settings(
             host_reservations=_reservations(extra.get("host_reservations")),
             load_policy=extra.get("storage_load_policy", "always"),  # type: ignore[arg-type]
             log_level=extra.get("storage_log_level"),  # type: ignore[arg-type]
+            records_transport=extra.get(  # type: ignore[arg-type]
+                "storage_records_transport", "store"
+            ),
         )
     except ConfigError as error:
         raise error.renamed(owner=_OWNER) from None

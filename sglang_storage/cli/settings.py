@@ -53,6 +53,7 @@ __all__ = [
     "MANAGER_NAMES",
     "MAX_CONFIG_BYTES",
     "PREFETCH_POLICIES",
+    "RECORDS_TRANSPORTS",
     "SETTING_KEYS",
     "WRITE_POLICIES",
     "StorageSettings",
@@ -82,16 +83,18 @@ AVAILABLE_MANAGERS: Final = (
     "npu-sparse",
     "embedding",
     "experts",
+    "records",
     "weights",
     "engram",
 )
 """The managers the SGLang integration serves in this release: the HiCache KV tiers,
 decode-side request offload, HiSparse token offload, the NPU sparse KV offload, the
-encoder embedding cache, the paged-experts host store, the elastic-EP expert backup and
-the DeepSeek-V4.1 Engram host tables.
+encoder embedding cache, the paged-experts host store, RL routed-expert / indexer top-k
+capture, the elastic-EP expert backup and the DeepSeek-V4.1 Engram host tables.
 Each takes effect only where SGLang builds that component (e.g. ``decode`` under
 ``--disaggregation-decode-enable-offload-kvcache``, ``npu-sparse`` on an Ascend NPU under
 ``SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD=1``, ``experts`` under ``--enable-paged-experts``,
+``records`` under ``--enable-return-routed-experts`` / ``--enable-return-indexer-topk``,
 ``weights`` under elastic EP's expert backup, ``engram`` under
 ``SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1``)."""
 WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back")
@@ -100,6 +103,10 @@ PREFETCH_POLICIES: Final = ("best_effort", "wait_complete", "timeout")
 """``--storage-prefetch-policy`` values; SGLang's ``--hicache-storage-prefetch-policy``."""
 LOAD_POLICIES: Final = ("always", "cost")
 """``--storage-load-policy`` values (``sglang_storage.managers.controller.LoadPolicy``)."""
+RECORDS_TRANSPORTS: Final = ("store", "sglang")
+"""``--storage-records-transport`` values: a finished request's top-k rows go through the
+storage backend with a small handle in ``meta_info`` (``store``), or as SGLang sends them,
+base64 through ZMQ (``sglang``)."""
 
 
 def _frozen(options: Mapping[str, object] | None) -> Mapping[str, object] | None:
@@ -173,6 +180,9 @@ class StorageSettings:
     )
     load_policy: str | None = attrs.field(default=None, validator=optional(one_of(*LOAD_POLICIES)))
     log_level: str | None = attrs.field(default=None, validator=optional(_check_log_level))
+    records_transport: str | None = attrs.field(
+        default=None, validator=optional(one_of(*RECORDS_TRANSPORTS))
+    )
     managers: tuple[str, ...] | None = attrs.field(default=None, validator=_check_managers)
 
     def __attrs_post_init__(self) -> None:

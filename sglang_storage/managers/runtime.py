@@ -11,7 +11,7 @@ once per instance, and two kinds writing the same pages would disagree on where 
   capped backends.
 - ``StorageRuntime.host_memory(component)`` - a :class:`~sglang_storage.memory.HostMemory`
   for one component (``kv``, ``decode``, ``sparse``, ``embedding``, ``experts``,
-  ``weights``, ``engram``) charged to the one
+  ``weights``, ``engram``, ``records``) charged to the one
   budget; it never takes what another component of the same data kind has reserved.
 - ``StorageRuntime.backend(name, options)`` - a :class:`BackendLease` on the one shared
   instance per backend and options, built with the eviction policy its cap needs; the
@@ -72,7 +72,16 @@ __all__ = [
     "kv_page_namespace",
 ]
 
-COMPONENTS: Final = ("kv", "decode", "sparse", "embedding", "experts", "weights", "engram")
+COMPONENTS: Final = (
+    "kv",
+    "decode",
+    "sparse",
+    "embedding",
+    "experts",
+    "weights",
+    "engram",
+    "records",
+)
 """The components that draw host memory from a runtime, each with its own reservation."""
 
 _KINDS: Final[Mapping[str, DataKind]] = MappingProxyType(
@@ -84,6 +93,7 @@ _KINDS: Final[Mapping[str, DataKind]] = MappingProxyType(
         "experts": DataKind.WEIGHT,
         "weights": DataKind.WEIGHT,
         "engram": DataKind.WEIGHT,
+        "records": DataKind.RECORD,
     }
 )
 _OWNER: Final = "StorageRuntime"
@@ -125,6 +135,9 @@ class RuntimeConfig:
     engram: int = attrs.field(default=0, metadata=BYTES, validator=non_negative_int)
     """Bytes reserved for the Engram host tables this process maps (a shared table counts on
     the rank that creates it)."""
+    records: int = attrs.field(default=0, metadata=BYTES, validator=non_negative_int)
+    """Bytes reserved for RL top-k capture: the capturers' host mirrors and the staging of
+    finished requests' records on their way to storage."""
     headroom: int = attrs.field(default=2 << 30, metadata=BYTES, validator=non_negative_int)
     """Bytes that must stay available to the rest of the process and the system."""
     ranks_per_host: int = attrs.field(default=1, validator=positive_int)
@@ -317,6 +330,7 @@ class StorageRuntime:
                 kv=config.kv + config.decode + config.sparse,
                 embedding=config.embedding,
                 weight=config.experts + config.weights + config.engram,
+                record=config.records,
                 headroom=config.headroom,
                 ranks_per_host=config.ranks_per_host,
             ),

@@ -172,14 +172,10 @@ def test_host_memory_is_echoed_at_start(capsys: pytest.CaptureFixture[str]) -> N
     )
 
 
-def test_managers_accept_the_served_ones_and_name_the_ones_not_there_yet() -> None:
+def test_managers_accept_the_served_ones_and_refuse_the_others() -> None:
     assert parse_managers(" kv ") == ("kv",)
-    served = "kv,decode,sparse,npu-sparse,embedding,experts,weights,engram"
-    assert parse_managers(served) == AVAILABLE_MANAGERS
-    later = _error(lambda: parse_managers("kv,records"))
-    assert "not available yet in this release" in str(later)
-    assert later.value == "records"
-    assert later.allowed == ", ".join(AVAILABLE_MANAGERS)
+    served = "kv,decode,sparse,npu-sparse,embedding,experts,records,weights,engram"
+    assert parse_managers(served) == AVAILABLE_MANAGERS == MANAGER_NAMES
     unknown = _error(lambda: parse_managers("kv,vision"))
     assert "names no sglang_storage manager" in str(unknown)
     assert unknown.allowed == ", ".join(MANAGER_NAMES)
@@ -223,8 +219,8 @@ def test_flags_reject_unknown_backends_and_misplaced_values() -> None:
         )
     )
     assert "applies only to the timeout prefetch policy" in str(timeouts)
-    assert "not available yet" in str(
-        _error(lambda: StorageFlags(backend="memory", managers=("kv", "records")))
+    assert "is not a supported choice (got 'vision')" in str(
+        _error(lambda: StorageFlags(backend="memory", managers=("kv", "vision")))
     )
 
 
@@ -474,7 +470,7 @@ def test_server_args_from_storage_flags(tmp_path: Path) -> None:
         (["--storage-backend", "nope"], "argument --storage-backend: is not a known"),
         (["--storage-write-policy", "sometimes"], "argument --storage-write-policy: invalid"),
         (["--storage-host-memory", "0"], "argument --storage-host-memory: must be more than 0"),
-        (["--storage-managers", "kv,records"], "not available yet in this release"),
+        (["--storage-managers", "kv,vision"], "names no sglang_storage manager"),
         (["--storage-prefetch-threshold", "-1"], "argument --storage-prefetch-threshold: must"),
         (["--storage-backend-config", "{"], "argument --storage-backend-config: is not valid"),
         (["--storage-backend", "memory", "--hicache-storage-backend", "file"], "cannot be"),
@@ -590,7 +586,7 @@ def test_config_file_sets_sglang_fields_once(tmp_path: Path) -> None:
         ('backend = "nope"\n', "is not a known sglang_storage backend"),
         ('backend = "memory"\nhost-memory = "4 gigs"\n', "did you mean 4GB or 4GiB?"),
         ('backend = "memory"\nwrite-policy = "sometimes"\n', "write-policy"),
-        ('backend = "memory"\nmanagers = ["kv", "records"]\n', "not available yet"),
+        ('backend = "memory"\nmanagers = ["kv", "vision"]\n', "names no sglang_storage manager"),
         ('backend = "file"\n[backend-config]\nrot = "/x"\n', "did you mean 'rot' -> 'root'?"),
         ('backend = "memory"\nprefetch-policy = "best_effort"\nprefetch-timeout-base = 1\n',
          "applies only to the timeout prefetch policy"),

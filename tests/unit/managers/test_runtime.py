@@ -109,7 +109,7 @@ def test_reservations_must_fit_the_budget_and_name_known_components() -> None:
     with pytest.raises(ConfigError, match="reservations must fit"):
         RuntimeConfig(host_memory=MIB, kv=MIB, embedding=1)
     with pytest.raises(ConfigError, match="component"):
-        _runtime().host_memory("records")
+        _runtime().host_memory("nosuch")
 
 
 # ---------------------------------------------------------------------- backends
