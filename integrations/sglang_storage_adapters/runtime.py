@@ -35,6 +35,7 @@ sglang_storage loggers' level, applied when the runtime is built), ``storage_rec
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -63,6 +64,7 @@ from sglang_storage_adapters.flags import (
 
 __all__ = [
     "RuntimeSettings",
+    "close_process_runtimes",
     "parse_settings",
     "process_rank_layout",
     "process_runtime",
@@ -402,10 +404,28 @@ def process_runtime(
                 apply_log_level(settings.log_level)
             ranks = _ranks_per_host() if ranks_per_host is None else ranks_per_host
             runtime = StorageRuntime(settings.runtime_config(ranks_per_host=ranks))
+            if not _RUNTIMES:
+                atexit.register(close_process_runtimes)
             _RUNTIMES[key] = runtime
             SOURCES.add(runtime, runtime_families)
             log.info("%s", startup_line(settings, runtime))
         return runtime
+
+
+def close_process_runtimes() -> None:
+    """Close this process's storage runtimes: queued writes drain (bounded), backends close.
+
+    Registered with :mod:`atexit` when the first runtime is built, so a scheduler that
+    exits normally does not drop the backups it had queued. Later adapters build anew.
+    """
+    with _runtimes_lock:
+        runtimes = list(_RUNTIMES.values())
+        _RUNTIMES.clear()
+    for runtime in runtimes:
+        try:
+            runtime.close()
+        except Exception:  # at exit: one runtime's failure must not keep the next open
+            log.exception("closing the storage runtime failed")
 
 
 def startup_line(settings: RuntimeSettings, runtime: StorageRuntime) -> str:

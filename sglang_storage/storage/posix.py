@@ -129,10 +129,18 @@ class IOThreads:
         pool = self._executor()
         chunk = -(-len(items) // self._threads)
         parts = [items[i : i + chunk] for i in range(0, len(items), chunk)]
-        futures = [pool.submit(_run_all, work, part) for part in parts[1:]]
+        futures = []
+        inline: list[Sequence[T]] = []
+        for part in parts[1:]:
+            try:
+                futures.append(pool.submit(_run_all, work, part))
+            except RuntimeError:  # the interpreter is exiting: the pool takes no more work
+                inline.append(part)
         results = _run_all(work, parts[0])
         for future in futures:
             results.extend(future.result())
+        for part in inline:  # after the submitted parts: the order stays the items'
+            results.extend(_run_all(work, part))
         return results
 
     def close(self) -> None:
