@@ -131,11 +131,12 @@ class IOThreads:
         parts = [items[i : i + chunk] for i in range(0, len(items), chunk)]
         futures = []
         inline: list[Sequence[T]] = []
-        for part in parts[1:]:
+        for at, part in enumerate(parts[1:], start=1):
             try:
                 futures.append(pool.submit(_run_all, work, part))
             except RuntimeError:  # the interpreter is exiting: the pool takes no more work
-                inline.append(part)
+                inline = parts[at:]
+                break
         results = _run_all(work, parts[0])
         for future in futures:
             results.extend(future.result())
