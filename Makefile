@@ -67,7 +67,7 @@ BENCH_REPORT ?= build/bench
 BENCH_ARGS ?= --compare sglang-file --repeats 5 --settle 120
 BENCH_SCRIPTS = "host_pool.py --quick" "storage_pipeline.py --repeats 3" \
 	"page_hash.py --quick" "hicache_interface.py --quick" \
-	"mooncake_backend.py --quick" "file_backend.py --quick"
+	"mooncake_backend.py --quick" "file_backend.py --quick" "file_scale.py --quick"
 
 bench: $(STAMP)
 	@mkdir -p build/bench
