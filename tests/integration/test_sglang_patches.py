@@ -339,7 +339,7 @@ SERVER_ARGS_PROBE = textwrap.dedent(
     out["bad"] = [usage_error(argv) for argv in (
         ["--storage-backend", "nope"],
         ["--storage-backend", "file", "--storage-backend-config", '{"root": "/x", "y": 1}'],
-        ["--storage-backend", "memory", "--storage-managers", "kv,records"],
+        ["--storage-backend", "memory", "--storage-managers", "kv,vision"],
         ["--storage-backend", "memory", "--hicache-storage-backend", "mooncake"],
     )]
 
@@ -423,8 +423,8 @@ def test_patched_copy_serves_the_storage_flags(installed: SGLangTree, tmp_path: 
     lines = [line for _, line in probe["bad"]]
     assert "argument --storage-backend: is not a known sglang_storage backend" in lines[0]
     assert "file backend options (--storage-backend-config).y: unknown option" in lines[1]
-    assert "'records'" in lines[2]
-    assert "not available yet in this release" in lines[2]
+    assert "'vision'" in lines[2]
+    assert "names no sglang_storage manager" in lines[2]
     assert "--storage-backend with --hicache-storage-backend: cannot be combined" in lines[3]
     assert probe["direct"] == "dynamic"
     assert probe["direct_error"][0] == "ConfigError"
