@@ -70,6 +70,7 @@ from sglang_storage.storage.keys import namespace_seed
 from sglang_storage.transfer import DeviceHostPipeline, DeviceKV
 from sglang_storage_adapters import metrics, require_supported_sglang
 from sglang_storage_adapters.device_checks import check_device_pools
+from sglang_storage_adapters.plugin import hook_registry
 from sglang_storage_adapters.ranks import rank_sync
 from sglang_storage_adapters.runtime import (
     process_rank_layout,
@@ -504,10 +505,5 @@ def install(registry: Any = None) -> None:
     Call from the ``sglang.srt.plugins`` entry point (SGLang applies the hooks after the
     plug-ins ran). ``registry`` defaults to SGLang's ``HookRegistry``.
     """
-    if registry is None:
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        registry = HookRegistry
-    from sglang.srt.plugins.hook_registry import HookType
-
-    registry.register(TARGET, DecodeOffloadAdapter, HookType.REPLACE)
+    registry, hook_type = hook_registry(registry)
+    registry.register(TARGET, DecodeOffloadAdapter, hook_type.REPLACE)

@@ -75,6 +75,7 @@ from sglang_storage.policy import LRUPolicy
 from sglang_storage.storage.keys import model_fingerprint
 from sglang_storage.transfer import StoragePipeline
 from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.plugin import hook_registry
 from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
 
 require_supported_sglang()
@@ -753,11 +754,6 @@ def install(registry: Any = None) -> None:
     Call from the ``sglang.srt.plugins`` entry point (SGLang applies the hooks after the
     plug-ins ran). ``registry`` defaults to SGLang's ``HookRegistry``.
     """
-    if registry is None:
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        registry = HookRegistry
-    from sglang.srt.plugins.hook_registry import HookType
-
-    registry.register(MANAGER_TARGET, run_expert_backup_manager, HookType.REPLACE)
-    registry.register(CLIENT_TARGET, StorageExpertBackupClient, HookType.REPLACE)
+    registry, hook_type = hook_registry(registry)
+    registry.register(MANAGER_TARGET, run_expert_backup_manager, hook_type.REPLACE)
+    registry.register(CLIENT_TARGET, StorageExpertBackupClient, hook_type.REPLACE)

@@ -78,6 +78,7 @@ from sglang_storage.memory import (
 )
 from sglang_storage.transfer import StoragePipelineConfig
 from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.plugin import hook_registry
 from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
 
 require_supported_sglang()
@@ -502,11 +503,6 @@ def install(registry: Any = None) -> None:
     Call from the ``sglang.srt.plugins`` entry point (SGLang applies the hooks after the
     plug-ins ran). ``registry`` defaults to SGLang's ``HookRegistry``.
     """
-    if registry is None:
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        registry = HookRegistry
-    from sglang.srt.plugins.hook_registry import HookType
-
-    registry.register(TARGET, StorageHostTable, HookType.REPLACE)
-    registry.register(LOADER_TARGET, _load_rows, HookType.AROUND)
+    registry, hook_type = hook_registry(registry)
+    registry.register(TARGET, StorageHostTable, hook_type.REPLACE)
+    registry.register(LOADER_TARGET, _load_rows, hook_type.AROUND)

@@ -35,6 +35,7 @@ from sglang_storage.errors import ConfigError
 from sglang_storage.memory import RecordPool, RecordPoolConfig
 from sglang_storage.memory.layouts import ELEMENT_DTYPES
 from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.plugin import hook_registry
 from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
 
 require_supported_sglang()
@@ -150,10 +151,5 @@ def install(registry: Any = None) -> None:
     Call from the ``sglang.srt.plugins`` entry point (SGLang applies the hooks after the
     plug-ins ran). ``registry`` defaults to SGLang's ``HookRegistry``.
     """
-    if registry is None:
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        registry = HookRegistry
-    from sglang.srt.plugins.hook_registry import HookType
-
-    registry.register(TARGET, StorageHostExpertStore, HookType.REPLACE)
+    registry, hook_type = hook_registry(registry)
+    registry.register(TARGET, StorageHostExpertStore, hook_type.REPLACE)

@@ -55,6 +55,7 @@ from sglang_storage.managers import observability
 from sglang_storage.managers.sparse import SparseKVConfig, SparseKVManager
 from sglang_storage.memory import Attention, KVGeometry, KVHostPool, KVLayout
 from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.plugin import hook_registry
 from sglang_storage_adapters.runtime import (
     process_runtime,
     published_settings,
@@ -445,11 +446,6 @@ def install(registry: Any = None) -> bool:
     original = module.SparseKVCacheManager
     if original is not NpuSparseAdapter:
         _original[:] = [original]
-    if registry is None:
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        registry = HookRegistry
-    from sglang.srt.plugins.hook_registry import HookType
-
-    registry.register(TARGET, NpuSparseAdapter, HookType.REPLACE)
+    registry, hook_type = hook_registry(registry)
+    registry.register(TARGET, NpuSparseAdapter, hook_type.REPLACE)
     return True

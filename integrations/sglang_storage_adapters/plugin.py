@@ -25,9 +25,9 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["INSTALLERS", "NO_CUDA", "installed", "register", "say_if_no_cuda"]
+__all__ = ["INSTALLERS", "NO_CUDA", "hook_registry", "installed", "register", "say_if_no_cuda"]
 
 log = logging.getLogger(__name__)
 
@@ -105,3 +105,13 @@ def register() -> None:
             log.exception("sglang_storage: installer %s failed; that adapter is off", spec)
             continue
         _done.append(spec)
+
+
+def hook_registry(registry: Any = None) -> tuple[Any, Any]:
+    """The registry an adapter's ``install`` registers with, and SGLang's ``HookType``.
+
+    ``registry`` None means SGLang's ``HookRegistry``.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    return (HookRegistry if registry is None else registry), HookType

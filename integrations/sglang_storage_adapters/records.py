@@ -63,6 +63,7 @@ from sglang_storage.managers.runtime import BackendLease
 from sglang_storage.memory import BlobPool, BlobPoolConfig, RecordPool, RecordPoolConfig
 from sglang_storage.storage.keys import model_fingerprint
 from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.plugin import hook_registry
 from sglang_storage_adapters.runtime import RuntimeSettings, process_runtime, runtime_settings
 
 require_supported_sglang()
@@ -499,12 +500,7 @@ def install(registry: Any = None) -> None:
     Call from the ``sglang.srt.plugins`` entry point (SGLang applies the hooks after the
     plug-ins ran). ``registry`` defaults to SGLang's ``HookRegistry``.
     """
-    if registry is None:
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        registry = HookRegistry
-    from sglang.srt.plugins.hook_registry import HookType
-
-    registry.register(TARGET, StorageHostCache, HookType.REPLACE)
+    registry, hook_type = hook_registry(registry)
+    registry.register(TARGET, StorageHostCache, hook_type.REPLACE)
     for kind, target in COLLECT_TARGETS.items():
-        registry.register(target, _collect(kind), HookType.AROUND)
+        registry.register(target, _collect(kind), hook_type.AROUND)

@@ -70,6 +70,7 @@ from sglang_storage.managers.sparse import SparseKVConfig, SparseKVManager
 from sglang_storage.memory import Attention, KVGeometry, KVHostPool, KVLayout
 from sglang_storage.transfer import DeviceHostPipeline, DeviceKV
 from sglang_storage_adapters import metrics, require_supported_sglang
+from sglang_storage_adapters.plugin import hook_registry
 from sglang_storage_adapters.runtime import (
     process_runtime,
     published_settings,
@@ -463,10 +464,5 @@ def install(registry: Any = None) -> None:
     Call from the ``sglang.srt.plugins`` entry point. ``registry`` defaults to SGLang's
     ``HookRegistry``. The NPU ``SparseKVCacheManager`` is :mod:`.npu_sparse`'s.
     """
-    if registry is None:
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        registry = HookRegistry
-    from sglang.srt.plugins.hook_registry import HookType
-
-    registry.register(TARGET, HiSparseAdapter, HookType.REPLACE)
+    registry, hook_type = hook_registry(registry)
+    registry.register(TARGET, HiSparseAdapter, hook_type.REPLACE)
