@@ -178,9 +178,16 @@ def test_load_is_asynchronous_and_layer_waits_order_compute() -> None:
     g = make_geometry(MHA, KVLayout.PAGE_FIRST, torch.bfloat16)
     device, host = make_device(g, 12), make_host(g, Pinning.ALWAYS, 13)
     pairs = [(2, 7), (9, 3)]
+    rows = torch.tensor(tokens_of([d for _, d in pairs]), device="cuda")
+    # Warm every kernel and allocation below first: the first launch of a kernel in a
+    # process (CUDA's lazy module loading) and a new allocator segment can wait for the
+    # whole device, sleeping transfer included, which would hide the stale read.
+    device.k[LAYERS - 1].index_select(0, rows)
+    torch.cuda._sleep(1)  # type: ignore[no-untyped-call]
+    with DeviceHostPipeline(device, host, DeviceTransferConfig(io_backend="torch")) as warm:
+        assert warm.load([5], tokens_of([11])).wait().ok  # device page 11 is not read below
     before = [t.cpu() for t in tensors(device)]
     want = expected_load(host.kv_buffer, before, g, pairs)
-    rows = torch.tensor(tokens_of([d for _, d in pairs]), device="cuda")
     with slow_pipeline(device, host) as pipe:
         load = pipe.load([h for h, _ in pairs], tokens_of([d for _, d in pairs]))
         assert not load.done()
