@@ -77,6 +77,7 @@ from sglang_storage.transfer import (
 )
 from sglang_storage.transfer.device_kv import DeviceKV
 from sglang_storage_adapters import require_supported_sglang
+from sglang_storage_adapters.capture_rows import CaptureRows, capture_rows
 from sglang_storage_adapters.device_checks import check_device_pools
 from sglang_storage_adapters.flags import host_pool_size
 from sglang_storage_adapters.hicache_storage import HiCacheBackend
@@ -154,6 +155,10 @@ class StorageHostPool:
     """Called before pages are freed (the controller collects finished transfers)."""
     after_free: Callable[[torch.Tensor], None] | None = None
     """Called with the page numbers just freed."""
+    rows_memory: HostMemory | None = None
+    """Where captured rows kept with the pages are charged (None: a budget of their own)."""
+    side_rows: tuple[CaptureRows, ...] = ()
+    """Captured rows kept with the pages (closed with the pool)."""
 
     def _geometry(self) -> KVGeometry:
         raise NotImplementedError
@@ -176,6 +181,7 @@ class StorageHostPool:
             # The process's one budget, shared with every other adapter (checked against
             # this host's memory, shared by its ranks).
             memory = process_runtime(settings).host_memory("kv")
+            self.rows_memory = process_runtime(settings).host_memory("records")
         else:
             # Checked at start-up against this host's memory, shared by its ranks (as SGLang).
             config = BudgetConfig(total=nbytes, kv=nbytes, ranks_per_host=ranks_per_host())
@@ -271,8 +277,10 @@ class StorageHostPool:
         """Release the buffer to our host memory (idempotent)."""
         pool = getattr(self, "storage_pool", None)
         if pool is not None and not getattr(self, "_destroyed", False):
+            pool.close()  # StateError while a transfer pins pages: nothing is closed
             self._destroyed = True
-            pool.close()
+            for rows in self.side_rows:
+                rows.close()
 
 
 class StorageMHAHostPool(StorageHostPool, MHATokenToKVPoolHost):  # type: ignore[misc]
@@ -364,6 +372,8 @@ class PipelineTransferEngine:
         self.host_to_device_stream = _device_module.Stream()
         self._cuda = pipeline.device.type == "cuda"
         self._offloads: dict[int, torch.Tensor] = {}  # transfer id -> its host pages
+        self.rows: tuple[CaptureRows, ...] = ()
+        """Captured rows moved with every page (SGLang's capturers; empty when capture is off)."""
         self.unreadable: set[int] = set()
         """Host pages whose device->host copy failed: never loaded or backed up until freed."""
         self.failed_transfers = 0
@@ -448,8 +458,12 @@ class PipelineTransferEngine:
                     # After what compute queued before this call (SGLang's start_event wait):
                     # the pipeline orders itself after the stream current here, the engine's.
                     stream.wait_event(start)
+                    for rows in self.rows:
+                        rows.save(pages, tokens)
                     handle = self.pipeline.offload(pages, tokens)
             else:
+                for rows in self.rows:
+                    rows.save(pages, tokens)
                 handle = self.pipeline.offload(pages, tokens)
             self._offloads[handle.transfer_id] = pages
             finish = self._finish(handle, stream)
@@ -481,8 +495,14 @@ class PipelineTransferEngine:
             if self._cuda:
                 with torch.cuda.stream(stream):
                     stream.wait_event(start_event)
+                    # Queued before the KV copy, which waits for this stream: a layer
+                    # reported loaded implies the rows are in the mirror.
+                    for rows in self.rows:
+                        rows.restore(pages, tokens)
                     handles.append(self.pipeline.load(pages, tokens))
             else:
+                for rows in self.rows:
+                    rows.restore(pages, tokens)
                 handles.append(self.pipeline.load(pages, tokens))
         for layer in range(transfer_layer_id_max):
             if self._cuda:
@@ -599,10 +619,19 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         # SGLang's allocator hands out the device indices; like SGLang's own transfer
         # kernels, the pipeline trusts them, so a write or load never waits for the GPU.
         config = DeviceTransferConfig(io_backend="auto", check_device_tokens=False)
-        pipeline = DeviceHostPipeline(
-            device_kv(self.mem_pool_device, host.storage_pool), host.storage_pool, config
-        )
+        device = device_kv(self.mem_pool_device, host.storage_pool)
+        pipeline = DeviceHostPipeline(device, host.storage_pool, config)
         self.l2_transfer_engine = PipelineTransferEngine(pipeline, host)
+        # SGLang built its capturers before the cache: their rows travel with the pages.
+        self._rows = tuple(
+            capture_rows(
+                page_size,
+                host.storage_pool.geometry.num_pages,
+                device.tokens,
+                host.rows_memory,
+            )
+        )
+        self.l2_transfer_engine.rows = host.side_rows = self._rows
         observability.watch_device_pipeline(pipeline, "kv")
         observability.watch_pool(host.storage_pool, "kv")
         self._host = host
@@ -673,6 +702,7 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
             host=self._host.storage_pool,
             device=self.device_pipeline,
             storage=self._storage_pipeline,
+            sides=[rows.part for rows in self._rows],
             ranks=rank_sync(self._sync_groups),
             config=config,
         )
@@ -759,9 +789,21 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
             backend.record_transfer(prefetch=prefetch, pages=pages, nbytes=nbytes, seconds=seconds)
 
     def _object_keys(self, hashes: Sequence[str]) -> list[Any]:
+        """Each page's object key; with captured rows, a tuple: the KV page's, then each part's."""
         backend = self.storage_backend
         assert isinstance(backend, HiCacheBackend)
-        return [backend.object_key(h) for h in hashes]
+        if not self._rows:
+            return [backend.object_key(h) for h in hashes]
+        return [
+            (backend.object_key(h), *(backend.object_key(f"{h}-{r.name}") for r in self._rows))
+            for h in hashes
+        ]
+
+    def _slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """Each page's slots in every part: side slot ``p`` belongs to host page ``p``."""
+        if not self._rows:
+            return pages
+        return pages.reshape(-1, 1).expand(-1, 1 + len(self._rows)).contiguous()
 
     def prefetch(
         self,
@@ -799,7 +841,7 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         hashes = list(operation.hash_value or [])
         pages = self._host.pages_of(operation.host_indices)[: len(hashes)]
         operation._sgs_started = time.perf_counter()
-        read_id = core.read(self._object_keys(hashes), pages)
+        read_id = core.read(self._object_keys(hashes), self._slots(pages))
         self._reads[read_id] = operation
         self._read_ids[id(operation)] = read_id
         if operation.is_terminated():
@@ -875,7 +917,7 @@ class StorageCacheController(HybridCacheController):  # type: ignore[misc]
         # Pages whose device->host copy failed are never stored (the backup stops there).
         hashes = list(hash_value or [])[: engine.readable_prefix(pages)]
         operation._sgs_started = time.perf_counter()
-        backup = core.backup(self._object_keys(hashes), pages[: len(hashes)])
+        backup = core.backup(self._object_keys(hashes), self._slots(pages[: len(hashes)]))
         self._backups[backup] = operation
         return int(operation.id)
 

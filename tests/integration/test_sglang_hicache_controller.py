@@ -19,22 +19,15 @@ our pipeline copies on its own streams and the acknowledgements are CUDA events.
 
 from __future__ import annotations
 
-import atexit
-import json
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from support.sglang_tree import LIVE, PAGE, SEQ, TOKENS, Tree, drain, prefetch, server_args
 
 pytestmark = pytest.mark.sglang
-
-PAGE, LAYERS, TOKENS = 4, 2, 16
-SEQ = list(range(100, 100 + TOKENS))
-LIVE: list[Tree] = []
-"""Trees built by the running test."""
 
 
 @pytest.fixture(scope="module")
@@ -60,187 +53,6 @@ def detach_trees() -> Iterator[None]:
         if cache.cache_controller is not None and cache.cache_controller.enable_storage:
             ok, message = cache.detach_storage_backend()
             assert ok, message
-
-
-def server_args(
-    root: Path,
-    *,
-    policy: str = "wait_complete",
-    layout: str = "page_first",
-    faults: dict[str, float] | None = None,
-    timeout_base_s: float | None = None,
-    load_policy: str | None = None,
-) -> Any:
-    """ServerArgs as ``--storage-backend file`` leaves them (flags.hicache_settings).
-
-    With ``faults``, the backend is ``faulty`` (our fault injector) around that file
-    backend, with that fault schedule.
-    """
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-    from sglang_storage_adapters.flags import StorageFlags, hicache_settings
-
-    options: dict[str, object] = {"root": str(root)}
-    if faults is None:
-        flags = StorageFlags(backend="file", backend_options=options, load_policy=load_policy)
-    else:
-        faulty = {"inner": "file", "inner_options": options, "seed": 7, **faults}
-        flags = StorageFlags(backend="faulty", backend_options=faulty, load_policy=load_policy)
-    settings = hicache_settings(flags)
-    extra = json.loads(str(settings.pop("hicache_storage_backend_extra_config")))
-    extra["prefetch_threshold"] = PAGE
-    if timeout_base_s is not None:  # the timeout policy's deadline: base + 0 per 1K tokens
-        extra.update(prefetch_timeout_base=timeout_base_s, prefetch_timeout_per_ki_token=0.0)
-    args = ServerArgs(
-        model_path="dummy",
-        page_size=PAGE,
-        hicache_mem_layout=layout,
-        hicache_write_policy="write_through",
-        hicache_storage_prefetch_policy=policy,
-        hicache_storage_backend_extra_config=json.dumps(extra),
-        **settings,
-    )
-    set_global_server_args_for_scheduler(args)
-    return args
-
-
-class Tree:
-    """One UnifiedRadixCache with HiCache, its device pool and allocator."""
-
-    def __init__(self, args: Any, device: str = "cpu", *, mla: bool = False) -> None:
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import (
-            MHATokenToKVPool,
-            MLATokenToKVPool,
-            ReqToTokenPool,
-        )
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-        self.kv: Any
-        if mla:
-            self.kv = MLATokenToKVPool(
-                size=64,
-                page_size=PAGE,
-                dtype=torch.bfloat16,
-                kv_lora_rank=32,
-                qk_rope_head_dim=16,
-                layer_num=LAYERS,
-                device=device,
-                enable_memory_saver=False,
-            )
-        else:
-            self.kv = MHATokenToKVPool(
-                size=64,
-                page_size=PAGE,
-                dtype=torch.bfloat16,
-                head_num=2,
-                head_dim=16,
-                layer_num=LAYERS,
-                device=device,
-                enable_memory_saver=False,
-                kv_cache_layout="nhd",
-            )
-        self.planes = [self.kv.kv_buffer] if mla else [self.kv.k_buffer, self.kv.v_buffer]
-        self.alloc = PagedTokenToKVPoolAllocator(
-            size=64,
-            page_size=PAGE,
-            dtype=torch.bfloat16,
-            device=device,
-            kvcache=self.kv,
-            need_sort=False,
-        )
-        req_pool = ReqToTokenPool(
-            size=4, max_context_len=128, device=device, enable_memory_saver=False
-        )
-        params = CacheInitParams(
-            req_to_token_pool=req_pool,
-            token_to_kv_pool_allocator=self.alloc,
-            page_size=PAGE,
-            disable=False,
-            tree_components=(ComponentType.FULL,),
-        )
-        self.cache = UnifiedRadixCache(params=params)
-        self.cache.init_hicache(args, params)
-        atexit.unregister(self.cache.shutdown)
-        LIVE.append(self)
-
-    def key(self, tokens: list[int]) -> Any:
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        return RadixKey(array("q", tokens))
-
-    def match(self, tokens: list[int]) -> Any:
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
-        return self.cache.match_prefix(MatchPrefixParams(key=self.key(tokens)))
-
-    def snapshot(self, indices: torch.Tensor) -> torch.Tensor:
-        """Every layer's K and V rows at ``indices``, as raw bits on the CPU."""
-        rows = [
-            torch.stack([plane[layer][indices] for plane in self.planes]) for layer in range(LAYERS)
-        ]
-        return torch.stack(rows).view(torch.int16).cpu()
-
-    def insert_random(self, tokens: list[int], seed: int) -> torch.Tensor:
-        """Insert ``tokens`` with random KV on device; return their KV bits."""
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
-        value = self.alloc.alloc(len(tokens))
-        assert value is not None
-        generator = torch.Generator().manual_seed(seed)
-        for layer in range(LAYERS):
-            for buffer in (plane[layer] for plane in self.planes):
-                shape = buffer[value].shape
-                data = torch.randn(shape, generator=generator).to(buffer.dtype)
-                buffer[value] = data.to(buffer.device)
-        want = self.snapshot(value)
-        self.cache.insert(InsertParams(key=self.key(tokens), value=value.to(torch.int64)))
-        return want
-
-    def backup_to_storage(self, tokens: list[int]) -> None:
-        """Host copy acknowledged, then backed up to storage and the storage ack drained."""
-        leaf = self.match(tokens).last_device_node
-        # write_through: the insert wrote the node to host; the ack lands on writing_check.
-        self.cache.writing_check(write_back=True)
-        assert self.cache.tree_core.is_backuped(leaf)
-        self.cache.write_backup_storage(leaf)
-        drain(self.cache, lambda: not self.cache.ongoing_backup)
-
-    def load_back(self, tokens: list[int]) -> torch.Tensor:
-        """Load the host part of ``tokens``' match to device; return the loaded KV bits."""
-        node = self.match(tokens).last_host_node
-        assert self.cache.load_back(node)
-        assert self.cache.ready_to_load_host_cache() != -1
-        self.cache.loading_check()
-        match = self.match(tokens)
-        return self.snapshot(self.cache.path_device_indices(match.last_device_node))
-
-    def host_available(self) -> int:
-        return int(self.cache.cache_controller.mem_pool_host.available_size())
-
-
-def drain(cache: Any, done: Any, timeout_s: float = 10.0) -> None:
-    """Run the scheduler's event round until ``done()`` (bounded)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, "HiCache did not finish in time"
-        cache.check_hicache_events()
-        cache.drain_storage_control_queues()
-        time.sleep(0.005)
-
-
-def prefetch(tree: Tree, rid: str) -> int:
-    """Prefetch SEQ from storage the way the scheduler does; return tokens now on host."""
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
-    cache = tree.cache
-    request = CacheRequestHandle(rid, 0)
-    cache.prefetch_from_storage(request, cache.root_node_handle(), array("q", SEQ), None, None)
-    drain(cache, lambda: cache.check_prefetch_progress(request))
-    return int(cache.pop_prefetch_loaded_tokens(request))
 
 
 def test_plugin_builds_our_stack_behind_sglangs_contract(tmp_path: Path, single_rank: None) -> None:
@@ -350,7 +162,7 @@ def test_storage_hit_and_prefetch_under_each_stop_policy(
         assert loaded == TOKENS
     assert consumer.match(SEQ).host_hit_length == loaded
     # Host pages of the prefetch not delivered came back through host_mem_release_queue.
-    assert consumer.host_available() == full - loaded
+    drain(consumer.cache, lambda: consumer.host_available() == full - loaded)
     if loaded:
         got = consumer.load_back(SEQ)
         assert torch.equal(got, want[:, :, :loaded])  # storage -> host -> device
@@ -371,7 +183,9 @@ def test_storage_faults_are_misses_not_wrong_bytes(
     match = consumer.match(SEQ)
     assert match.host_hit_length == 0
     assert match.device_prefix_len == 0
-    assert consumer.host_available() == full  # the prefetch's host pages came back
+    # The prefetch's host pages come back through host_mem_release_queue, which the
+    # scheduler's next event rounds drain (not necessarily the round the prefetch ended in).
+    drain(consumer.cache, lambda: consumer.host_available() == full)
 
 
 def test_storage_detach_and_attach(tmp_path: Path, single_rank: None) -> None:

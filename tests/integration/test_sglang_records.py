@@ -29,12 +29,11 @@ from typing import Any
 
 import pytest
 import torch
-from support.sglang_hooks import hooks_installed
+from support.sglang_hooks import records_installed
 
 pytestmark = pytest.mark.sglang
 
 LAYERS, TOPK, SLOTS = 4, 3, 64
-_METHODS = ("_maybe_collect_routed_experts", "_maybe_collect_indexer_topk")
 
 
 def publish(
@@ -71,24 +70,8 @@ def publish(
 @pytest.fixture
 def installed() -> Iterator[Any]:
     """The adapter installed as SGLang's plug-in loader would; SGLang's names restored after."""
-    from sglang.srt.managers.scheduler_components.batch_result_processor import (
-        SchedulerBatchResultProcessor,
-    )
-    from sglang.srt.runtime_context import reset_context
-    from sglang.srt.state_capturer import base
-    from sglang_storage_adapters import records
-
-    saved = {name: SchedulerBatchResultProcessor.__dict__[name] for name in _METHODS}
-    try:
-        with hooks_installed(base.BaseHostCache, records.install, records):
-            yield records
-    finally:
-        for name, method in saved.items():
-            setattr(SchedulerBatchResultProcessor, name, method)
-        for publisher in records._publishers.values():
-            publisher.close()
-        records._publishers.clear()
-        reset_context()
+    with records_installed() as records:
+        yield records
 
 
 def capturer(device: str = "cpu") -> Any:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
-__all__ = ["hooks_installed"]
+__all__ = ["hooks_installed", "records_installed"]
 
 
 @contextlib.contextmanager
@@ -40,3 +40,33 @@ def hooks_installed(
         HookRegistry.reset()
         HookRegistry._hooks.update(saved[0])
         HookRegistry._patched.update(saved[1])
+
+
+_COLLECTORS = ("_maybe_collect_routed_experts", "_maybe_collect_indexer_topk")
+
+
+@contextlib.contextmanager
+def records_installed() -> Iterator[ModuleType]:
+    """The records adapter installed as SGLang's plug-in loader would; yields the adapter.
+
+    On exit SGLang's names and collect methods are restored, the adapter's publishers
+    closed and the runtime context reset.
+    """
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor,
+    )
+    from sglang.srt.runtime_context import reset_context
+    from sglang.srt.state_capturer import base
+    from sglang_storage_adapters import records
+
+    saved = {name: SchedulerBatchResultProcessor.__dict__[name] for name in _COLLECTORS}
+    try:
+        with hooks_installed(base.BaseHostCache, records.install, records):
+            yield records
+    finally:
+        for name, method in saved.items():
+            setattr(SchedulerBatchResultProcessor, name, method)
+        for publisher in records._publishers.values():
+            publisher.close()
+        records._publishers.clear()
+        reset_context()
