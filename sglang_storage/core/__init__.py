@@ -32,6 +32,7 @@ from sglang_storage.core.objects import (
     Shard,
     as_byte_view,
     keys_of,
+    valid_names,
 )
 
 __all__ = [
@@ -51,4 +52,5 @@ __all__ = [
     "Shard",
     "as_byte_view",
     "keys_of",
+    "valid_names",
 ]

@@ -46,6 +46,7 @@ __all__ = [
     "Shard",
     "as_byte_view",
     "keys_of",
+    "valid_names",
 ]
 
 DTYPE_SIZES: Final[dict[str, int]] = {
@@ -199,7 +200,7 @@ class Namespace:
         name, which raises the same :class:`~sglang_storage.errors.ConfigError` for
         the first invalid name.
         """
-        if not _valid_names(names):
+        if not valid_names(names):
             return [ObjectKey(namespace=self, name=name) for name in names]
         return [_checked_key(self, name) for name in names]
 
@@ -221,8 +222,8 @@ _NAME_BATCH: Final = re.compile(
 )
 
 
-def _valid_names(names: Sequence[str]) -> bool:
-    """Whether every one of ``names`` passes :class:`ObjectKey`'s name check."""
+def valid_names(names: Sequence[str]) -> bool:
+    """Whether there are names and every one passes :class:`ObjectKey`'s name check."""
     if not names:
         return False
     try:

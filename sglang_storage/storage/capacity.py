@@ -10,7 +10,7 @@ storage); an unbounded index needs none.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Final, Generic, TypeVar
 
 from sglang_storage.core import EvictionPolicy, Namespace, ObjectKey
@@ -169,6 +169,21 @@ class CapacityIndex(Generic[K]):
         with self._lock:
             self._add_locked(key, size)
 
+    def add_many(self, items: Iterable[tuple[K, int]]) -> None:
+        """:meth:`add` each ``(key, size)``, in order."""
+        with self._lock:
+            if self._policy is not None:
+                for key, size in items:
+                    self._add_locked(key, size)
+                return
+            sizes = self._sizes
+            total = self._bytes
+            for key, size in items:
+                old = sizes.get(key)
+                sizes[key] = size
+                total += size - (old or 0)
+            self._bytes = total
+
     def _add_locked(self, key: K, size: int) -> None:
         old = self._sizes.get(key)
         self._sizes[key] = size
@@ -257,6 +272,23 @@ class KeySlots:
             return prefixes[1] + name.encode()
         # fromhex also takes uppercase digits (and whitespace, which no name holds).
         return prefixes[0] + raw if raw.hex() == name else prefixes[1] + name.encode()
+
+    def name_slots(self, namespace: Namespace, names: Sequence[str]) -> list[bytes]:
+        """``[slot(namespace.key(name)) for name in names]`` for names already checked."""
+        prefixes = self._prefixes.get(namespace.path)
+        if prefixes is None:
+            prefixes = self._number(namespace)
+        digits, text = prefixes
+        fromhex = bytes.fromhex
+        out = []
+        for name in names:
+            try:
+                raw = fromhex(name)
+            except ValueError:
+                out.append(text + name.encode())
+                continue
+            out.append(digits + raw if raw.hex() == name else text + name.encode())
+        return out
 
     def key(self, slot: bytes) -> ObjectKey:
         """The key whose slot ``slot`` is.

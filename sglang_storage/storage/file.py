@@ -78,6 +78,7 @@ from sglang_storage.core import (
     ObjectKey,
     PutRequest,
     PutResult,
+    valid_names,
 )
 from sglang_storage.errors import (
     BackendIOError,
@@ -402,10 +403,18 @@ class FileBackend:
         """
         # Only a policy cares about the order: without one, objects go straight in.
         ordered: list[tuple[float, _Slot, int]] = []
-        add = self._index.add
         # One thread: spread over the I/O threads it was slower (the work between the
         # system calls holds the GIL).
         for job in self._fans():
+            if not self._ordered:
+                named = self._scan_named(*job)
+                if named is not None:
+                    pairs, odd_named = named
+                    for key, status in odd_named:
+                        if self._sized_by_header(key, status):
+                            pairs.append((self._slot(key), status.st_size))
+                    self._index.add_many(pairs)
+                    continue
             found, odd = self._scan_fan(job)
             for key, status in odd:
                 if self._sized_by_header(key, status):
@@ -413,11 +422,9 @@ class FileBackend:
             if self._ordered:
                 ordered.extend((mtime, slot, size) for slot, size, mtime in found)
             else:
-                for slot, size, _ in found:
-                    add(slot, size)
+                self._index.add_many([(slot, size) for slot, size, _ in found])
         ordered.sort(key=lambda item: item[0])
-        for _, slot, size in ordered:
-            add(slot, size)
+        self._index.add_many([(slot, size) for _, slot, size in ordered])
         del ordered
         if not self._config.read_only:
             self._delete_slots(self._index.over_capacity())
@@ -486,7 +493,8 @@ class FileBackend:
         odd: list[tuple[ObjectKey, os.stat_result]] = []
         with os.scandir(fan.path) as listing:
             files = [e for e in listing if e.is_file(follow_symlinks=False)]
-        for key, entry in zip(_keys_of(namespace, [e.name for e in files]), files, strict=True):
+        names = [e.name for e in files]
+        for key, entry in zip(_keys_of(namespace, names), files, strict=True):
             # A file outside its own fan directory is not where path_of looks: it is no
             # object of this store (fsck reports it).
             if key is None or fan.name != _fan(key.name):
@@ -503,6 +511,43 @@ class FileBackend:
                 # per key (28 bytes of the index's footprint per object).
                 found.append((slot_of(key), sizes.setdefault(size, size), status.st_mtime))
         return found, odd
+
+    def _scan_named(
+        self, namespace: Namespace, fan: os.DirEntry[str]
+    ) -> tuple[list[tuple[_Slot, int]], list[tuple[ObjectKey, os.stat_result]]] | None:
+        """:meth:`_scan_fan` as ``(slot, size)`` pairs, for a store without eviction order.
+
+        Slots come straight from the names; keys are built only for odd files. None (the
+        caller scans with :meth:`_scan_fan`) when a name is not a valid object name.
+        """
+        with os.scandir(fan.path) as listing:
+            files = [e for e in listing if e.is_file(follow_symlinks=False)]
+        names = [e.name for e in files]
+        if not names:
+            return [], []
+        if not valid_names(names):
+            return None
+        number = _FAN_NUMBERS.get(fan.name)
+        if number is None:
+            return [], []  # no object name hashes to this directory
+        capacity = self._config.capacity_bytes
+        sizes, digest = self._sizes, xxhash.xxh32_intdigest
+        pairs: list[tuple[_Slot, int]] = []
+        odd: list[tuple[ObjectKey, os.stat_result]] = []
+        slots = self._slots.name_slots(namespace, names)
+        for name, slot, entry in zip(names, slots, files, strict=True):
+            if digest(name.encode()) & 0xFF != number:
+                continue  # outside its own fan directory: not where path_of looks
+            try:
+                status = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            size = status.st_size
+            if status.st_blocks * 512 < size or (capacity is not None and size > capacity):
+                odd.append((namespace.key(name), status))
+            else:
+                pairs.append((slot, sizes.setdefault(size, size)))
+        return pairs, odd
 
     # ------------------------------------------------------------------ protocol
 
@@ -1340,6 +1385,10 @@ def _hash_payload(fd: int, length: int) -> int:
 def _fan(name: str) -> str:
     """The shard directory of an object name: 256 of them per namespace."""
     return f"{xxhash.xxh32_intdigest(name.encode()) & 0xFF:02x}"
+
+
+_FAN_NUMBERS: Final = {f"{n:02x}": n for n in range(256)}
+"""Each fan directory's name and the low byte of the names' hashes it holds."""
 
 
 _TRAILER: Final = memoryview(bytearray(1))

@@ -104,3 +104,33 @@ def test_key_slots_are_distinct_compact_and_give_their_keys_back() -> None:
     assert slots.prefixes(Namespace(model="unseen", kind=DataKind.KV)) is None
     with pytest.raises(KeyError):
         KeySlots().key(made[0])
+
+
+def test_name_slots_are_the_slots_of_the_names_keys() -> None:
+    from sglang_storage.core import DataKind, Namespace
+    from sglang_storage.storage.capacity import KeySlots
+
+    page = "0123456789abcdef" * 4
+    names = [page, page.upper(), "ab", "AB", "12", "a_b.c-d", "abc", "0" * 64, "a"]
+    kv = Namespace(model="m", kind=DataKind.KV)
+    fresh, reference = KeySlots(), KeySlots()
+    assert fresh.name_slots(kv, names) == [reference.slot(kv.key(n)) for n in names]
+    assert [fresh.key(s) for s in fresh.name_slots(kv, names)] == [kv.key(n) for n in names]
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["unbounded", "lru"])
+def test_add_many_indexes_like_add_one_by_one(bounded: bool) -> None:
+    def index() -> CapacityIndex[str]:
+        if bounded:
+            return CapacityIndex(1000, LRUPolicy(), owner="test")
+        return CapacityIndex(None, None, owner="test")
+
+    pairs = [("a", 10), ("b", 20), ("a", 5), ("c", 0), ("d", 40)]
+    one, many = index(), index()
+    for key, size in pairs:
+        one.add(key, size)
+    many.add_many(pairs)
+    assert many.totals() == one.totals() == (4, 65)
+    assert [many.size_of(k) for k in "abcd"] == [one.size_of(k) for k in "abcd"]
+    if bounded:  # the same eviction order: "a" was re-added after "b"
+        assert many.reserve(980) == one.reserve(980)
