@@ -122,38 +122,40 @@ class CaptureRows:
 
         On CUDA the copy is queued on the current stream.
         """
-        if host_pages.numel() == 0:
-            return
-        mirror, records = self._operands(device_tokens)
-        pages = upload_index(host_pages, records.device)
-        tokens = device_tokens.to(records.device, torch.int64)
-        rows = mirror.index_select(0, tokens).view(-1, *records.shape[1:])
-        records.index_copy_(0, pages, rows)
+        if host_pages.numel():
+            mirror, records, pages, tokens = self._operands(host_pages, device_tokens)
+            rows = mirror.index_select(0, tokens).view(-1, *records.shape[1:])
+            records.index_copy_(0, pages, rows)
 
     def restore(self, host_pages: torch.Tensor, device_tokens: torch.Tensor) -> None:
         """Copy ``host_pages``' rows into the mirror at ``device_tokens`` (whole pages).
 
         On CUDA the copy is queued on the current stream.
         """
-        if host_pages.numel() == 0:
-            return
-        mirror, records = self._operands(device_tokens)
-        pages = upload_index(host_pages, records.device)
-        tokens = device_tokens.to(records.device, torch.int64)
-        rows = records.index_select(0, pages).view(-1, *mirror.shape[1:])
-        mirror.index_copy_(0, tokens, rows)
+        if host_pages.numel():
+            mirror, records, pages, tokens = self._operands(host_pages, device_tokens)
+            rows = records.index_select(0, pages).view(-1, *mirror.shape[1:])
+            mirror.index_copy_(0, tokens, rows)
 
-    def _operands(self, device_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mirror, side records) where the copy runs: the device's views on CUDA."""
+    def _operands(
+        self, host_pages: torch.Tensor, device_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mirror, side records, page index, token index) where the copy runs.
+
+        On CUDA: the page-locked memories' device views and device indices.
+        """
         if device_tokens.device.type != "cuda":
-            return self.mirror, self.pool.records
-        if self._views is None:
-            with torch.cuda.device(device_tokens.device):
-                mirror = torch.as_tensor(_MirrorArray(self.mirror))
-            if mirror.data_ptr() != self.mirror.data_ptr():
-                raise RuntimeError(f"no in-place device view of the {self.name} mirror")
-            self._views = (mirror, self.pool.device_view(device_tokens.device))
-        return self._views
+            mirror, records = self.mirror, self.pool.records
+        else:
+            if self._views is None:
+                with torch.cuda.device(device_tokens.device):
+                    view = torch.as_tensor(_MirrorArray(self.mirror))
+                if view.data_ptr() != self.mirror.data_ptr():
+                    raise RuntimeError(f"no in-place device view of the {self.name} mirror")
+                self._views = (view, self.pool.device_view(device_tokens.device))
+            mirror, records = self._views
+        pages = upload_index(host_pages, records.device)
+        return mirror, records, pages, device_tokens.to(records.device, torch.int64)
 
     def close(self) -> None:
         """Give the side pool's memory back."""
