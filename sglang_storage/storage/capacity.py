@@ -176,13 +176,12 @@ class CapacityIndex(Generic[K]):
                 for key, size in items:
                     self._add_locked(key, size)
                 return
+            # As add() in order: the last size of a key counts; in C, not per key here.
+            new = dict(items)
             sizes = self._sizes
-            total = self._bytes
-            for key, size in items:
-                old = sizes.get(key)
-                sizes[key] = size
-                total += size - (old or 0)
-            self._bytes = total
+            replaced = sum(sizes[key] for key in sizes.keys() & new.keys()) if sizes else 0
+            sizes.update(new)
+            self._bytes += sum(new.values()) - replaced
 
     def _add_locked(self, key: K, size: int) -> None:
         old = self._sizes.get(key)

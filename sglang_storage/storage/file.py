@@ -532,10 +532,10 @@ class FileBackend:
             return [], []  # no object name hashes to this directory
         capacity = self._config.capacity_bytes
         sizes, digest = self._sizes, xxhash.xxh32_intdigest
-        pairs: list[tuple[_Slot, int]] = []
+        kept: list[str] = []
+        kept_sizes: list[int] = []
         odd: list[tuple[ObjectKey, os.stat_result]] = []
-        slots = self._slots.name_slots(namespace, names)
-        for name, slot, entry in zip(names, slots, files, strict=True):
+        for name, entry in zip(names, files, strict=True):
             if digest(name.encode()) & 0xFF != number:
                 continue  # outside its own fan directory: not where path_of looks
             try:
@@ -546,8 +546,9 @@ class FileBackend:
             if status.st_blocks * 512 < size or (capacity is not None and size > capacity):
                 odd.append((namespace.key(name), status))
             else:
-                pairs.append((slot, sizes.setdefault(size, size)))
-        return pairs, odd
+                kept.append(name)
+                kept_sizes.append(sizes.setdefault(size, size))
+        return list(zip(self._slots.name_slots(namespace, kept), kept_sizes, strict=True)), odd
 
     # ------------------------------------------------------------------ protocol
 
