@@ -83,6 +83,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -831,11 +832,11 @@ class Hf3fsBackend:
         """The namespace's classes by slot size (relisted when its directory changed)."""
         directory = self._classes_dir / namespace.path
         try:
-            stat = directory.stat()
+            status = directory.stat()
             signature: tuple[int, int, int] | None = (
-                stat.st_ino,
-                stat.st_mtime_ns,
-                stat.st_nlink,
+                status.st_ino,
+                status.st_mtime_ns,
+                status.st_nlink,
             )
         except FileNotFoundError:
             signature = None
@@ -1397,6 +1398,45 @@ class Hf3fsBackend:
 
     # ------------------------------------------------------------------ fsck
 
+    def purge_quarantine(self, *, dry_run: bool = False) -> list[tuple[str, int]]:
+        """Remove the slot copies this backend put in ``quarantine/``; ``(path, bytes)`` of each.
+
+        Only regular files named as the backend names them (``<time in ns>.<pid>.<object
+        name>``) are removed; anything else there is kept, and nothing is reached through a
+        link.
+        ``dry_run`` lists them only.
+
+        Raises:
+            StateError: the backend was opened read-only (unless ``dry_run``).
+            BackendIOError: ``quarantine/`` cannot be listed (a link in its place included).
+        """
+        self._check_open()
+        if not dry_run:
+            self._check_writable("purge the quarantine")
+        removed: list[tuple[str, int]] = []
+        try:
+            fd = os.open(self._quarantine_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return removed
+        except OSError as error:
+            raise io_error(self.name, f"listing {self._quarantine_dir}", error) from error
+        try:
+            for name in sorted(os.listdir(fd)):  # noqa: PTH208 - by descriptor, no link
+                if not _QUARANTINED_NAME.fullmatch(name):
+                    continue
+                try:
+                    status = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    if not stat.S_ISREG(status.st_mode):
+                        continue
+                    if not dry_run:
+                        os.unlink(name, dir_fd=fd)
+                except FileNotFoundError:
+                    continue
+                removed.append((str(self._quarantine_dir / name), status.st_size))
+        finally:
+            os.close(fd)
+        return removed
+
     def scan(self, *, payloads: bool = True, model: str | None = None) -> Iterator[ObjectReport]:
         """Report every object in the slots, orphaned temporary file and foreign file.
 
@@ -1797,3 +1837,7 @@ def _gather(views: Sequence[memoryview], start: int, target: memoryview) -> None
             target[done : done + count] = view[begin : begin + count]
             done += count
         position = end
+
+
+_QUARANTINED_NAME: Final = re.compile(r"[0-9]+\.[0-9]+\.[^/]+")
+"""How a slot copy in ``quarantine/`` is named: ``<time in ns>.<pid>.<object name>``."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Final
 
+import pytest
 from support.backend_conformance import get_bytes, namespace, pattern, put_bytes
 from support.ledger import Ledger
 
@@ -158,3 +159,67 @@ def test_hf3fs_keeps_a_slot_read_with_the_wrong_spec(tmp_path: Path, ledger: Led
         if got != data:
             ledger.wrong(len(data))
         assert got == data
+
+
+def test_hf3fs_purges_its_slot_copies_and_keeps_strays(tmp_path: Path, ledger: Ledger) -> None:
+    import os
+
+    from sglang_storage.errors import StateError
+    from sglang_storage.storage import Hf3fsBackend, Hf3fsBackendConfig
+
+    root = tmp_path / "hf3fs"
+    root.mkdir()
+    config = Hf3fsBackendConfig(
+        root=root, allow_non_3fs=True, data_file_size=1 << 20, data_files=2, client="posix"
+    )
+    with Hf3fsBackend(config) as store:
+        for i in range(3):
+            key = NS.key(f"h{i}")
+            assert put_bytes(store, key, SPEC, pattern(key, SPEC.nbytes)).outcome is (
+                PutOutcome.STORED
+            )
+        for i in range(2):
+            where = store.locate(NS.key(f"h{i}"))
+            assert where is not None
+            fd = os.open(where.path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, b"\xff" * 64, where.offset + 4096)  # inside the payload
+            finally:
+                os.close(fd)
+            ledger.fault("bit_flip")
+            ledger.operation()
+            assert get_bytes(store, NS.key(f"h{i}"), SPEC)[0].outcome is GetOutcome.CORRUPT
+        assert store.quarantined == 2
+        quarantine = root / "quarantine"
+        stray = quarantine / "someone's notes"
+        stray.write_bytes(b"kept")
+        (quarantine / "1.2.linked").symlink_to(stray)  # named like a copy, but a link
+        ledger.fault("foreign_file")
+        planned = store.purge_quarantine(dry_run=True)
+        assert len(planned) == 2
+        assert all(Path(path).exists() for path, _ in planned)
+        removed = store.purge_quarantine()
+        assert removed == planned
+        assert not any(Path(path).exists() for path, _ in removed)
+        assert stray.read_bytes() == b"kept"
+        assert (quarantine / "1.2.linked").is_symlink()
+        assert store.purge_quarantine() == []
+        ledger.operation()
+        key = NS.key("h2")
+        result, got = get_bytes(store, key, SPEC)  # the undamaged object is untouched
+        assert result.outcome is GetOutcome.HIT
+        if got != pattern(key, SPEC.nbytes):
+            ledger.wrong(SPEC.nbytes)
+    with Hf3fsBackend(
+        Hf3fsBackendConfig(
+            root=root,
+            allow_non_3fs=True,
+            client="posix",
+            read_only=True,
+            data_file_size=1 << 20,
+            data_files=2,
+        )
+    ) as reader:
+        with pytest.raises(StateError, match="read-only"):
+            reader.purge_quarantine()
+        assert len(reader.purge_quarantine(dry_run=True)) == 0
