@@ -111,6 +111,7 @@ class CaptureRows:
         assert torch.equal(slots, torch.arange(host_pages, dtype=slots.dtype)), "slot order"
         self.part = SidePool(name=name, pool=self.pool)
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._warned = False
 
     @property
     def nbytes(self) -> int:
@@ -142,9 +143,20 @@ class CaptureRows:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mirror, side records, page index, token index) where the copy runs.
 
-        On CUDA: the page-locked memories' device views and device indices.
+        On CUDA: the page-locked memories' device views and device indices; where the
+        side pool is not page-locked (pinning turned off), the CPU copy after the device
+        indices came to the host (which waits for the device).
         """
         if device_tokens.device.type != "cuda":
+            mirror, records = self.mirror, self.pool.records
+        elif not self.pool.page_locked:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "sglang_storage: the %s rows pool is not page-locked; each transfer's "
+                    "rows are copied on the host after waiting for the device",
+                    self.name,
+                )
             mirror, records = self.mirror, self.pool.records
         else:
             if self._views is None:

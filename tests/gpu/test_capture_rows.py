@@ -97,3 +97,22 @@ def test_rows_are_saved_and_restored_on_the_stream_without_the_host_waiting(
     untouched[restored.cpu()] = False
     assert torch.equal(mirror[untouched], original[untouched])  # nothing else written
     rows.close()
+
+
+def test_a_side_pool_that_is_not_page_locked_still_gets_the_rows(mirror: torch.Tensor) -> None:
+    budget = HostMemoryBudget(BudgetConfig(total=64 << 20, headroom=0), facts=FACTS)
+    pageable = HostMemory(budget, pinning=Pinning.NEVER)
+    rows = CaptureRows(
+        "indexer_topk", mirror, page_size=PAGE, host_pages=HOST_PAGES, memory=pageable
+    )
+    assert not rows.pool.page_locked
+    original = mirror.clone()
+    host_pages = torch.tensor([4, 1])
+    written, restored = tokens([3, 6]), tokens([10, 12])
+    rows.save(host_pages, written)  # the host waits for the device indices
+    assert torch.equal(
+        rows.pool.records[host_pages], original[written.cpu()].view(2, PAGE, LAYERS, TOPK)
+    )
+    rows.restore(host_pages, restored)
+    assert torch.equal(mirror[restored.cpu()], original[written.cpu()])
+    rows.close()
