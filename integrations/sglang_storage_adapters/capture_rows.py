@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import torch
 
-from sglang_storage.errors import ConfigError
+from sglang_storage.errors import ConfigError, StateError
 from sglang_storage.managers import SidePool
 from sglang_storage.memory import (
     BudgetConfig,
@@ -35,6 +35,7 @@ from sglang_storage.memory import (
     RecordPool,
     RecordPoolConfig,
 )
+from sglang_storage.memory.host import CudaArray
 from sglang_storage.transfer.io import upload_index
 
 __all__ = ["CaptureRows", "capture_rows"]
@@ -45,20 +46,6 @@ _CAPTURERS: Final = (
     ("routed_experts", "sglang.srt.state_capturer.routed_experts", "get_global_experts_capturer"),
     ("indexer_topk", "sglang.srt.state_capturer.indexer_topk", "get_global_indexer_capturer"),
 )
-
-
-class _MirrorArray:
-    """A registered host tensor described to torch as CUDA memory (UVA): same address."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor  # kept alive by every view torch makes of this object
-        self.__cuda_array_interface__ = {
-            "shape": tuple(tensor.shape),
-            "typestr": "<i4",
-            "data": (tensor.data_ptr(), False),
-            "version": 3,
-            "strides": None,
-        }
 
 
 class CaptureRows:
@@ -108,7 +95,12 @@ class CaptureRows:
         self.pool = RecordPool(config, memory)
         slots = self.pool.alloc(host_pages)
         # Side slot p is host page p: allocated once, never freed while the pool lives.
-        assert torch.equal(slots, torch.arange(host_pages, dtype=slots.dtype)), "slot order"
+        if not torch.equal(slots, torch.arange(host_pages, dtype=slots.dtype)):
+            self.pool.close()
+            raise StateError(
+                subject=f"sglang_storage {name} rows",
+                reason="a fresh record pool did not hand out its slots in order",
+            )
         self.part = SidePool(name=name, pool=self.pool)
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._warned = False
@@ -161,9 +153,12 @@ class CaptureRows:
         else:
             if self._views is None:
                 with torch.cuda.device(device_tokens.device):
-                    view = torch.as_tensor(_MirrorArray(self.mirror))
+                    view = torch.as_tensor(CudaArray(self.mirror, tuple(self.mirror.shape), "<i4"))
                 if view.data_ptr() != self.mirror.data_ptr():
-                    raise RuntimeError(f"no in-place device view of the {self.name} mirror")
+                    raise StateError(
+                        subject=f"sglang_storage {self.name} rows",
+                        reason="torch copied the capturer's mirror instead of viewing it",
+                    )
                 self._views = (view, self.pool.device_view(device_tokens.device))
             mirror, records = self._views
         pages = upload_index(host_pages, records.device)

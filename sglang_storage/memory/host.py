@@ -133,15 +133,19 @@ class CudaArray:
     ``torch.as_tensor(CudaArray(buffer, shape, typestr))`` is a CUDA tensor over the
     buffer's page-locked memory, without a copy. Torch keeps this object referenced from
     the storage of every tensor made from it, so the ``buffer`` reference keeps the memory
-    and its CUDA registration alive for as long as any view of it exists.
+    and its CUDA registration alive for as long as any view of it exists. ``buffer`` may
+    also be a CPU tensor someone else registered with CUDA (SGLang's host mirrors).
     """
 
-    def __init__(self, buffer: HostBuffer, shape: tuple[int, ...], typestr: str) -> None:
+    def __init__(
+        self, buffer: HostBuffer | torch.Tensor, shape: tuple[int, ...], typestr: str
+    ) -> None:
         self.buffer = buffer
+        address = buffer.data_ptr() if isinstance(buffer, torch.Tensor) else buffer.address
         self.__cuda_array_interface__ = {
             "shape": shape,
             "typestr": typestr,
-            "data": (buffer.address, False),
+            "data": (address, False),
             "version": 3,
             "strides": None,
         }
