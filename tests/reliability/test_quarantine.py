@@ -11,7 +11,7 @@ backend did not put there.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import pytest
 from support.backend_conformance import get_bytes, namespace, pattern, put_bytes
@@ -20,6 +20,9 @@ from support.ledger import Ledger
 from sglang_storage.core import GetOutcome, ObjectSpec, PutOutcome
 from sglang_storage.policy import LRUPolicy
 from sglang_storage.storage import FileBackend, FileBackendConfig
+
+if TYPE_CHECKING:
+    from sglang_storage.storage import Hf3fsBackendConfig
 
 LEDGER_AREA: Final = "quarantine"
 
@@ -60,6 +63,20 @@ def test_a_read_with_the_wrong_spec_keeps_the_object(tmp_path: Path, ledger: Led
         if got != data:
             ledger.wrong(len(data))
         assert got == data
+
+
+def _hf3fs_config(root: Path, *, read_only: bool = False) -> Hf3fsBackendConfig:
+    """A small hf3fs store through the POSIX client (no 3FS here)."""
+    from sglang_storage.storage import Hf3fsBackendConfig
+
+    return Hf3fsBackendConfig(
+        root=root,
+        allow_non_3fs=True,
+        data_file_size=1 << 20,
+        data_files=2,
+        client="posix",
+        read_only=read_only,
+    )
 
 
 def _flip(store: FileBackend, name: str) -> None:
@@ -131,13 +148,11 @@ def test_purging_the_quarantine_frees_its_room_and_keeps_strays(
 
 
 def test_hf3fs_keeps_a_slot_read_with_the_wrong_spec(tmp_path: Path, ledger: Ledger) -> None:
-    from sglang_storage.storage import Hf3fsBackend, Hf3fsBackendConfig
+    from sglang_storage.storage import Hf3fsBackend
 
     root = tmp_path / "hf3fs"
     root.mkdir()
-    config = Hf3fsBackendConfig(
-        root=root, allow_non_3fs=True, data_file_size=1 << 20, data_files=2, client="posix"
-    )
+    config = _hf3fs_config(root)
     key = NS.key("whole")
     data = pattern(key, SPEC.nbytes)
     with Hf3fsBackend(config) as store:
@@ -165,13 +180,11 @@ def test_hf3fs_purges_its_slot_copies_and_keeps_strays(tmp_path: Path, ledger: L
     import os
 
     from sglang_storage.errors import StateError
-    from sglang_storage.storage import Hf3fsBackend, Hf3fsBackendConfig
+    from sglang_storage.storage import Hf3fsBackend
 
     root = tmp_path / "hf3fs"
     root.mkdir()
-    config = Hf3fsBackendConfig(
-        root=root, allow_non_3fs=True, data_file_size=1 << 20, data_files=2, client="posix"
-    )
+    config = _hf3fs_config(root)
     with Hf3fsBackend(config) as store:
         for i in range(3):
             key = NS.key(f"h{i}")
@@ -210,16 +223,7 @@ def test_hf3fs_purges_its_slot_copies_and_keeps_strays(tmp_path: Path, ledger: L
         assert result.outcome is GetOutcome.HIT
         if got != pattern(key, SPEC.nbytes):
             ledger.wrong(SPEC.nbytes)
-    with Hf3fsBackend(
-        Hf3fsBackendConfig(
-            root=root,
-            allow_non_3fs=True,
-            client="posix",
-            read_only=True,
-            data_file_size=1 << 20,
-            data_files=2,
-        )
-    ) as reader:
+    with Hf3fsBackend(_hf3fs_config(root, read_only=True)) as reader:
         with pytest.raises(StateError, match="read-only"):
             reader.purge_quarantine()
         assert len(reader.purge_quarantine(dry_run=True)) == 0
