@@ -268,6 +268,14 @@ def _handle_tensor(handle: RecordHandle) -> torch.Tensor:
     return torch.frombuffer(bytearray(handle.to_bytes()), dtype=torch.uint8)
 
 
+def _is_handle_tensor(rows: object) -> bool:
+    """Whether ``rows`` is a handle already (SGLang's rows are never uint8)."""
+    return isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8
+
+
+_ROW_DTYPES: Final = (torch.int16, torch.int32, torch.int64)
+
+
 # ---------------------------------------------------------------------- scheduler side
 
 
@@ -326,7 +334,17 @@ class RecordPublisher:
 
         Raises:
             StateError: ``rid``'s ``kind`` rows are already written and not yet taken.
+            ConfigError: ``rows`` are not SGLang's top-k rows (an integer tensor
+                ``[tokens, layers, top_k]``), e.g. a handle passed back in.
         """
+        if rows.dtype not in _ROW_DTYPES or rows.dim() != 3:
+            raise ConfigError(
+                owner="RecordPublisher.publish",
+                field="rows",
+                value=f"{rows.dtype} of shape {tuple(rows.shape)} ({kind} of {rid!r})",
+                reason="must be SGLang's top-k rows, an integer tensor [tokens, layers, top_k]",
+                allowed="int16, int32 or int64, 3 dimensions",
+            )
         self.drain()
         key = record_key(kind, rid)
         handle = RecordHandle(
@@ -418,6 +436,8 @@ def _collect(kind: str) -> Callable[..., None]:
         rows = getattr(req, kind, None)
         if rows is None or not getattr(req, f"return_{kind}", False):
             return  # SGLang gathers indexer rows for every request, sends only those asked
+        if _is_handle_tensor(rows):
+            return  # published by an inner copy of this hook (the adapter installed twice)
         settings = _settings()
         if settings is None or not settings.enabled(COMPONENT):
             return

@@ -362,6 +362,34 @@ def test_keep_leaves_the_record_for_a_retry_until_discarded(tmp_path: Path, inst
         installed.fetch_record(meta, timeout_s=0.1)
 
 
+def test_installed_twice_the_rows_are_published_once(
+    tmp_path: Path, installed: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second ``install()`` stacks a second collect hook; the outer one sees the handle
+    the inner one left and leaves it alone, so the client reads the rows, not the handle."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_storage.errors import ConfigError
+
+    installed.install()
+    HookRegistry.reset()  # forget what was patched; the next apply wraps the wrapped method
+    installed.install()
+    HookRegistry.apply_hooks()
+    publish(tmp_path / "store")
+    cap = capturer()
+    req, processor, expected = finished_request(cap, prompt=7, generated=5, rid="twice")
+    with caplog.at_level("WARNING", logger="sglang_storage_adapters.records"):
+        collect(req, processor, cap)
+    ours = [r.getMessage() for r in caplog.records if r.name == "sglang_storage_adapters.records"]
+    assert not ours  # published once, not tried again with the handle
+    assert req.routed_experts.dtype == torch.uint8
+    meta = meta_info(req.routed_experts)
+    assert torch.equal(installed.fetch_record(meta, timeout_s=10.0), expected)
+    publisher = installed._publishers[0]
+    with pytest.raises(ConfigError, match=r"top_k\] \(got \"torch.uint8 of shape"):
+        publisher.publish("routed_experts", "handle", req.routed_experts)
+
+
 def test_the_sglang_transport_keeps_sglangs_rows(tmp_path: Path, installed: Any) -> None:
     from sglang_storage.errors import ConfigError
 

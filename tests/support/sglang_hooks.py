@@ -18,7 +18,8 @@ __all__ = ["hooks_installed", "records_installed"]
 def hooks_installed(
     original: type, install: Callable[[], object], adapter: ModuleType
 ) -> Iterator[None]:
-    """Run ``install()`` and apply SGLang's hooks; on exit, every binding of ``original``
+    """Run ``install()`` and apply the hooks it registered (only those: hooks another test
+    left registered are not applied a second time); on exit, every binding of ``original``
     (outside ``adapter``, which keeps its own reference) and the registry are restored."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -30,6 +31,7 @@ def hooks_installed(
         for name, value in list(vars(module).items())
         if value is original
     ]
+    HookRegistry.reset()  # apply this adapter's hooks only, not again what others left
     install()
     HookRegistry.apply_hooks()
     try:
