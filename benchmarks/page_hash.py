@@ -17,8 +17,9 @@ paired ratio), and two limits measured in the same run:
 
 - ``py floor``: one bare ``hashlib.sha256(prior + page).digest()`` per page over bytes
   packed in advance, the least a pure-Python chain can do (the chain is sequential: each
-  page's key needs the previous digest, so pages cannot be hashed in parallel or in one
-  C call);
+  page's key needs the previous digest, so pages cannot be hashed in parallel); ours
+  runs the C chain (``sglang_storage/storage/_pagehash.c``) where it was compiled at
+  install, which the first line says;
 - ``C++ only``: SGLang's native loop on an ``array('q')`` (no conversion).
 
 The goal is ``>= 1.0x`` at page sizes 16, 64 and 256; the last line says whether the worst
@@ -39,6 +40,7 @@ from functools import partial
 from typing import Any, cast
 
 from sglang_storage.cli.bench_report import Progress, goal_verdict
+from sglang_storage.storage import keys
 from sglang_storage.storage.keys import page_hashes
 
 VOCAB = 150_000
@@ -90,7 +92,8 @@ def main() -> None:
     inner = args.inner or max(1, 200_000 // args.tokens)
     print(  # noqa: T201
         f"{args.tokens} token ids per call, {inner} calls per measurement,"
-        f" median of {args.repeats} paired measurements (order alternating)"
+        f" median of {args.repeats} paired measurements (order alternating);"
+        f" ours: {'the C chain (_pagehash)' if keys.NATIVE else 'the pure-Python chain'}"
     )
     print(  # noqa: T201
         f"{'page':>4} {'input':<8} {'ours us':>9} {'sglang us':>10} {'ratio':>7}"

@@ -4,13 +4,14 @@ A test that needs a component carries its marker:
 
 - ``gpu``      CUDA (``torch.cuda.is_available()``);
 - ``sglang``   the real SGLang 0.5.23 package;
-- ``mooncake`` a runnable ``mooncake_master`` and the Mooncake client library.
+- ``mooncake`` a runnable ``mooncake_master`` and the Mooncake client library;
+- ``native``   the compiled page-key chain (``sglang_storage/storage/_pagehash.c``).
 
 When the component is missing the test is skipped, and the reason says what is missing
 and how to get it (``-ra`` lists every skip reason in the summary). Components named in
 the comma-separated ``SGLANG_STORAGE_REQUIRE`` environment variable must be present: a
-test that needs a missing required component fails instead. CI requires ``sglang`` and
-``mooncake``, so those tests can never pass by skipping there.
+test that needs a missing required component fails instead. CI requires ``sglang``,
+``mooncake`` and ``native``, so those tests can never pass by skipping there.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import functools
 import importlib
 import importlib.metadata
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import settings
@@ -73,10 +74,22 @@ def _missing_mooncake() -> str | None:
     return None
 
 
+def _missing_native() -> str | None:
+    from sglang_storage.storage import keys
+
+    if keys.NATIVE:
+        return None
+    return (
+        "sglang_storage was installed without its C page-key chain "
+        "(sglang_storage/storage/_pagehash.c needs gcc and OpenSSL's headers; `make setup`)"
+    )
+
+
 COMPONENTS: dict[str, Callable[[], str | None]] = {
     "gpu": _missing_gpu,
     "sglang": _missing_sglang,
     "mooncake": _missing_mooncake,
+    "native": _missing_native,
 }
 
 
@@ -102,6 +115,7 @@ MARKERS = {
     "gpu": "needs CUDA; skipped with a reason where it is absent",
     "sglang": f"needs the real SGLang {SGLANG_VERSION} package",
     "mooncake": "needs a runnable mooncake_master and the Mooncake client",
+    "native": "needs the compiled page-key chain (sglang_storage.storage._pagehash)",
 }
 
 
@@ -112,13 +126,32 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    required = required_components()
     for component in COMPONENTS:
         if item.get_closest_marker(component) is None:
             continue
-        reason = missing(component)
-        if reason is None:
-            continue
-        if component in required:
-            pytest.fail(f"{component} is required here ({REQUIRE_ENV}) but missing: {reason}")
-        pytest.skip(f"needs {component}: {reason}")
+        _component_or_skip(component)
+
+
+def _component_or_skip(component: str) -> None:
+    """Skip (or, where required, fail) the calling test when ``component`` is missing."""
+    reason = missing(component)
+    if reason is None:
+        return
+    if component in required_components():
+        pytest.fail(f"{component} is required here ({REQUIRE_ENV}) but missing: {reason}")
+    pytest.skip(f"needs {component}: {reason}")
+
+
+@pytest.fixture(scope="module", params=["native", "python"])
+def page_key_chain(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a module's page-key tests twice: on the C chain, then on the pure-Python one."""
+    from sglang_storage.storage import keys
+
+    if request.param == "native":
+        _component_or_skip("native")
+        yield "native"
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(keys, "_NATIVE_KEYS", None)
+        patch.setattr(keys, "_NATIVE_CHAIN", None)
+        yield "python"

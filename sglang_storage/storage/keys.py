@@ -3,8 +3,11 @@
 SGLang names every KV page it writes to an L3 backend by a SHA-256 hash chain over the
 page's token ids (``get_hash_str`` in ``sglang/srt/mem_cache/utils.py``, computed by the
 native extension ``cpp_utils/hash_binding.cpp``), seeded per request namespace by
-``storage_namespace_seed``. This module reproduces both with the standard library and numpy, so
-the subsystem reads and writes the same keys as SGLang without importing it:
+``storage_namespace_seed``. This module reproduces both without importing SGLang, so the
+subsystem reads and writes the same keys as SGLang: plain ids are hashed by a small C
+extension of ours (``_pagehash.c``, OpenSSL's SHA-256, compiled at install), everything
+else, and every id where the extension was not built, by the standard library and numpy
+(the same keys; :data:`NATIVE` says which runs):
 
 - :func:`page_hashes` - one 64-character lowercase hex key per page of token ids,
   each chained on the key before it;
@@ -38,6 +41,7 @@ import marshal
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Sequence, Sized
+from types import ModuleType
 from typing import Final, Protocol, cast
 
 import numpy as np
@@ -48,6 +52,7 @@ from sglang_storage.errors import ConfigError
 __all__ = [
     "DIGEST_HEX_LEN",
     "NAMESPACE_DOMAIN",
+    "NATIVE",
     "WIDE_PAGE_TAG",
     "kv_namespace",
     "model_fingerprint",
@@ -166,6 +171,16 @@ def page_hashes(
             value=page_size,
         )
     prior = _prior_digest(prior_hash, owner)
+    if _NATIVE_KEYS is not None and not bigram and not _SWAP:
+        kind = type(token_ids)
+        if (
+            kind is list
+            or kind is tuple
+            or (kind is array and cast("array[int]", token_ids).typecode in _INT_TYPECODES)
+        ):
+            keys = _NATIVE_KEYS(token_ids, page_size, prior)
+            if keys is not None:
+                return keys  # else ids the checks below accept or reject
     low, full = _words(token_ids, owner)
     units = max(len(low) - 1, 0) if bigram else len(low)
     if units == 0:
@@ -382,8 +397,36 @@ def _mixed_pages(low: array[int], full: array[int], stride: int) -> list[bytes]:
     return pages
 
 
+def _native() -> ModuleType | None:
+    # The C chain (_pagehash.c), where the package was installed with it compiled.
+    try:
+        return importlib.import_module("sglang_storage.storage._pagehash")
+    except ImportError:
+        return None
+
+
+_NATIVE_MODULE: Final = _native()
+_NATIVE_CHAIN: Final = cast(
+    "Callable[[bytes, int, bytes], list[str]] | None", getattr(_NATIVE_MODULE, "chain", None)
+)
+_NATIVE_KEYS: Final = cast(
+    "Callable[[object, int, bytes], list[str] | None] | None",
+    getattr(_NATIVE_MODULE, "page_keys", None),
+)
+
+NATIVE: Final = _NATIVE_MODULE is not None
+"""Whether page keys are computed in C here (else in Python: the same keys, slower)."""
+
+
 def _chain(data: bytes, stride: int, prior: bytes) -> list[str]:
     """Hash ``data`` in ``stride``-byte pages, each on top of the previous digest."""
+    if _NATIVE_CHAIN is not None:
+        return _NATIVE_CHAIN(data, stride, prior)
+    return _python_chain(data, stride, prior)
+
+
+def _python_chain(data: bytes, stride: int, prior: bytes) -> list[str]:
+    """:func:`_chain` in Python."""
     sha256 = _SMALL_SHA256 if stride <= _SMALL_PAGE_BYTES else hashlib.sha256
     keys: list[str] = []
     append = keys.append

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from sglang_storage.errors import ConfigError
 from sglang_storage.storage.keys import namespace_seed, page_hashes
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("page_key_chain")]
 
 U32_MAX = 2**32 - 1
 I64_MAX = 2**63 - 1

@@ -21,6 +21,8 @@ from sglang_storage.errors import ConfigError
 from sglang_storage.storage import keys
 from sglang_storage.storage.keys import namespace_seed, page_hashes
 
+pytestmark = pytest.mark.usefixtures("page_key_chain")  # the C chain and the Python one
+
 U32_MAX = 2**32 - 1
 I64_MAX = 2**63 - 1
 SEED = "ab" * 32
@@ -302,6 +304,45 @@ def test_text_bytes_and_float_arrays_are_rejected(ids: object) -> None:
     with pytest.raises(ConfigError) as caught:
         page_hashes(ids, 1)  # type: ignore[arg-type]
     assert caught.value.field == "token_ids"
+
+
+@pytest.mark.parametrize(
+    ("ids", "index"),
+    [
+        (array("q", [5, -3, 7]), 1),
+        (array("i", [-1]), 0),
+        (array("b", [1, 2, -128]), 2),
+        (array("Q", [1, 2**63]), 1),
+        (array("Q", [2**64 - 1]), 0),
+    ],
+    ids=["q-negative", "i-negative", "b-negative", "Q-2**63", "Q-max"],
+)
+def test_array_ids_outside_non_negative_int64_are_rejected(ids: array[int], index: int) -> None:
+    with pytest.raises(ConfigError) as caught:
+        page_hashes(ids, 2)
+    assert caught.value.field == f"token_ids[{index}]"
+    assert caught.value.value == ids[index]
+
+
+@pytest.mark.parametrize(
+    "container",
+    [list, tuple, lambda ids: array("q", ids), lambda ids: array("Q", ids)],
+    ids=["list", "tuple", "array-q", "array-Q"],
+)
+def test_wide_pages_in_every_container(container: Callable[[list[int]], Sequence[int]]) -> None:
+    ids = [7, 2**32, 9, 1, 2, 3, 2**63 - 1, 4, 5]  # pages 0 and 2 wide, page 1 narrow
+    assert page_hashes(container(ids), 3) == reference(ids, 3)
+    assert page_hashes(container(ids), 3, "ab" * 32) == reference(ids, 3, "ab" * 32)
+    assert page_hashes(container(ids), 100) == reference(ids, 100)
+
+
+class _Token(int):
+    """An int subclass: hashed by its value, like a plain int."""
+
+
+def test_int_subclasses_hash_as_their_values() -> None:
+    ids = [_Token(4), 8, _Token(15), 16, 23]
+    assert page_hashes(ids, 2) == reference([4, 8, 15, 16, 23], 2)
 
 
 def test_the_array_of_a_caller_is_not_changed() -> None:
