@@ -1,13 +1,13 @@
 # Every target works on a fresh machine by itself: it creates .venv when missing and
-# re-installs only when pyproject.toml, a file in ci/ that pins the install, or the C
-# page-key chain (compiled at install) changed.
+# re-installs only when pyproject.toml, a file in ci/ that pins the install, or one of
+# the C extensions (compiled at install) changed.
 
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 INSTALL_INPUTS := pyproject.toml ci/constraints.txt ci/sglang-cpu-requirements.txt \
-	sglang_storage/storage/_pagehash.c
+	sglang_storage/storage/_pagehash.c sglang_storage/storage/_objread.c
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k units -x"`.
 PYTEST_ARGS ?=
 
@@ -100,4 +100,4 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache
-	rm -f sglang_storage/storage/_pagehash.*.so
+	rm -f sglang_storage/storage/_pagehash.*.so sglang_storage/storage/_objread.*.so

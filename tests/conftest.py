@@ -5,7 +5,7 @@ A test that needs a component carries its marker:
 - ``gpu``      CUDA (``torch.cuda.is_available()``);
 - ``sglang``   the real SGLang 0.5.23 package;
 - ``mooncake`` a runnable ``mooncake_master`` and the Mooncake client library;
-- ``native``   the compiled page-key chain (``sglang_storage/storage/_pagehash.c``).
+- ``native``   the C extensions (``sglang_storage/storage/_pagehash.c``, ``_objread.c``).
 
 When the component is missing the test is skipped, and the reason says what is missing
 and how to get it (``-ra`` lists every skip reason in the summary). Components named in
@@ -75,13 +75,18 @@ def _missing_mooncake() -> str | None:
 
 
 def _missing_native() -> str | None:
-    from sglang_storage.storage import keys
+    from sglang_storage.storage import file, keys
 
-    if keys.NATIVE:
+    missing = [
+        source
+        for source, built in (("_pagehash.c", keys.NATIVE), ("_objread.c", file.NATIVE_READS))
+        if not built
+    ]
+    if not missing:
         return None
     return (
-        "sglang_storage was installed without its C page-key chain "
-        "(sglang_storage/storage/_pagehash.c needs gcc and OpenSSL's headers; `make setup`)"
+        f"sglang_storage was installed without its C extension(s) {', '.join(missing)} "
+        "(in sglang_storage/storage/; they need gcc and OpenSSL's headers: `make setup`)"
     )
 
 
@@ -115,7 +120,7 @@ MARKERS = {
     "gpu": "needs CUDA; skipped with a reason where it is absent",
     "sglang": f"needs the real SGLang {SGLANG_VERSION} package",
     "mooncake": "needs a runnable mooncake_master and the Mooncake client",
-    "native": "needs the compiled page-key chain (sglang_storage.storage._pagehash)",
+    "native": "needs the C extensions (sglang_storage.storage._pagehash and _objread)",
 }
 
 
@@ -129,10 +134,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     for component in COMPONENTS:
         if item.get_closest_marker(component) is None:
             continue
-        _component_or_skip(component)
+        component_or_skip(component)
 
 
-def _component_or_skip(component: str) -> None:
+def component_or_skip(component: str) -> None:
     """Skip (or, where required, fail) the calling test when ``component`` is missing."""
     reason = missing(component)
     if reason is None:
@@ -148,7 +153,7 @@ def page_key_chain(request: pytest.FixtureRequest) -> Iterator[str]:
     from sglang_storage.storage import keys
 
     if request.param == "native":
-        _component_or_skip("native")
+        component_or_skip("native")
         yield "native"
         return
     with pytest.MonkeyPatch.context() as patch:

@@ -144,6 +144,18 @@ class IOThreads:
             results.extend(_run_all(work, part))
         return results
 
+    def each_part(self, work: Callable[[Sequence[T]], object], items: Sequence[T]) -> None:
+        """``work`` of each contiguous part of ``items``, one part per thread.
+
+        Raises:
+            BackendUnavailableError: the threads were closed.
+        """
+        if self._threads == 1 or len(items) < 2:
+            work(items)
+            return
+        chunk = -(-len(items) // self._threads)
+        self.spread(work, [items[i : i + chunk] for i in range(0, len(items), chunk)])
+
     def close(self) -> None:
         """Stop the pool after the work in flight; later batches raise."""
         with self._lock:
@@ -389,6 +401,11 @@ def _openat2(dir_fd: int | None, path: str, flags: int, mode: int) -> int | None
         _openat2_works = False  # an old kernel, or a seccomp filter: walk instead
         return None
     raise OSError(code, f"{os.strerror(code)}: {path!r}")
+
+
+def openat2_usable() -> bool:
+    """Whether ``openat2`` may work here (not yet refused by the kernel or a filter)."""
+    return _openat2_works is not False
 
 
 def open_beneath(dir_fd: int | None, path: str, flags: int, mode: int = 0o600) -> int:

@@ -65,4 +65,6 @@ def test_unknown_required_component_is_a_usage_error(
     monkeypatch.setenv("SGLANG_STORAGE_REQUIRE", "sglang,mooncak")
     result = suite.runpytest_subprocess("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*unknown component(s) mooncak; known: gpu, mooncake, native, sglang*"])
+    result.stderr.fnmatch_lines(
+        ["*unknown component(s) mooncak; known: gpu, mooncake, native, sglang*"]
+    )

@@ -1,0 +1,203 @@
+"""The ``file`` backend's read path, on both of its readers.
+
+Every test runs twice (``file_reader``): on the C batch reader (``_objread.c``: openat2,
+preadv and close for a whole part without the GIL) and on the Python reader it stands in
+for (``_read_raw``, also what a kernel without openat2 gets). Each outcome a read can
+have is made with real files: a hit into many buffers, no file, a link at the object's
+place or on its way, a FIFO, a directory, a truncated file, trailing bytes, a payload
+bit flip, and a batch mixing them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import component_or_skip
+from support.backend_conformance import as_buffers, get_bytes, namespace, pattern, put_bytes
+
+from sglang_storage.core import GetOutcome, GetRequest, ObjectKey, ObjectSpec, PutOutcome
+from sglang_storage.storage import FileBackend, FileBackendConfig
+from sglang_storage.storage import file as file_module
+from sglang_storage.storage.format import HEADER_SIZE
+
+NS = namespace("reads")
+SIZE = 3000
+
+
+def key(name: str) -> ObjectKey:
+    return ObjectKey(namespace=NS, name=name)
+
+
+@pytest.fixture(params=["native", "python"])
+def file_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which reader the backend uses in this test."""
+    if request.param == "native":
+        component_or_skip("native")
+    else:
+        monkeypatch.setattr(file_module, "_READ_FILES", None)
+    return str(request.param)
+
+
+@pytest.fixture
+def backend(tmp_path: Path, file_reader: str) -> Iterator[FileBackend]:
+    with FileBackend(FileBackendConfig(root=tmp_path / "store", io_threads=2)) as opened:
+        yield opened
+
+
+def stored(backend: FileBackend, name: str, nbytes: int = SIZE) -> tuple[ObjectKey, bytes]:
+    k = key(name)
+    data = pattern(k, nbytes)
+    assert put_bytes(backend, k, ObjectSpec.raw(nbytes), data).outcome is PutOutcome.STORED
+    return k, data
+
+
+def test_a_hit_fills_every_buffer(backend: FileBackend) -> None:
+    k, data = stored(backend, "hit")
+    result, got = get_bytes(backend, k, ObjectSpec.raw(SIZE), parts=5)
+    assert result.outcome is GetOutcome.HIT
+    assert got == data
+
+
+def test_more_buffers_than_one_readv_takes(backend: FileBackend) -> None:
+    nbytes = 1500  # 1500 one-byte buffers: more than IOV_MAX (1024) in one call
+    k, data = stored(backend, "many", nbytes)
+    target = bytearray(nbytes)
+    views = [memoryview(target)[i : i + 1] for i in range(nbytes)]
+    request = GetRequest(key=k, spec=ObjectSpec.raw(nbytes), buffers=as_buffers(*views))
+    [result] = backend.get_into([request])
+    assert result.outcome is GetOutcome.HIT
+    assert bytes(target) == data
+
+
+def test_no_file_is_a_miss(backend: FileBackend) -> None:
+    result, got = get_bytes(backend, key("absent"), ObjectSpec.raw(SIZE))
+    assert result.outcome is GetOutcome.MISS
+
+
+def test_a_link_at_the_object_is_a_miss_and_its_target_unread(
+    backend: FileBackend, tmp_path: Path
+) -> None:
+    k, data = stored(backend, "real")
+    linked = key("linked")
+    place = backend.path_of(linked)
+    place.parent.mkdir(parents=True, exist_ok=True)
+    place.symlink_to(backend.path_of(k))
+    result, got = get_bytes(backend, linked, ObjectSpec.raw(SIZE))
+    assert result.outcome is not GetOutcome.HIT
+    assert got != data
+
+
+def test_a_link_on_the_way_is_a_miss(backend: FileBackend, tmp_path: Path) -> None:
+    k, data = stored(backend, "onway")
+    fan = backend.path_of(k).parent
+    moved = tmp_path / "elsewhere"
+    fan.rename(moved)
+    fan.symlink_to(moved)
+    result, got = get_bytes(backend, k, ObjectSpec.raw(SIZE))
+    assert result.outcome is GetOutcome.MISS
+    assert got != data
+
+
+def test_a_file_in_place_of_a_directory_on_the_way_is_a_miss(backend: FileBackend) -> None:
+    k, data = stored(backend, "nodir")
+    fan = backend.path_of(k).parent
+    for child in fan.iterdir():
+        child.unlink()
+    fan.rmdir()
+    fan.write_bytes(b"not a directory")  # the open fails with ENOTDIR
+    result, got = get_bytes(backend, k, ObjectSpec.raw(SIZE))
+    assert result.outcome is GetOutcome.MISS
+    assert got != data
+
+
+def test_a_fifo_at_the_object_does_not_block_and_is_corrupt(backend: FileBackend) -> None:
+    k = key("fifo")
+    place = backend.path_of(k)
+    place.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(place)
+    result, _ = get_bytes(backend, k, ObjectSpec.raw(SIZE))
+    assert result.outcome is GetOutcome.CORRUPT
+    assert "not a regular file" in str(result.error)
+
+
+def test_a_directory_at_the_object_is_not_a_hit(backend: FileBackend) -> None:
+    k = key("dir")
+    backend.path_of(k).mkdir(parents=True)
+    result, _ = get_bytes(backend, k, ObjectSpec.raw(SIZE))
+    assert result.outcome is not GetOutcome.HIT
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("truncate", "truncated"),
+        ("append", "bytes after its payload"),
+        ("flip", "checksum mismatch"),
+    ],
+)
+def test_damaged_objects_are_corrupt_and_zeroed(
+    backend: FileBackend, damage: str, reason: str
+) -> None:
+    k, data = stored(backend, damage)
+    path = backend.path_of(k)
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        raw = raw[: HEADER_SIZE + SIZE // 2]
+    elif damage == "append":
+        raw += b"x"
+    else:
+        raw[HEADER_SIZE + 7] ^= 0x10
+    path.write_bytes(bytes(raw))
+    result, got = get_bytes(backend, k, ObjectSpec.raw(SIZE))
+    assert result.outcome is GetOutcome.CORRUPT
+    assert reason in str(result.error)
+    assert got == bytes(SIZE)  # zeroed, never the wrong bytes
+
+
+def test_a_batch_gives_each_key_its_outcome(backend: FileBackend) -> None:
+    # Big enough to be cut into parts and into cache-sized groups within a part.
+    big = 200 << 10
+    hits = [stored(backend, f"big-{i}", big) for i in range(6)]
+    flipped, _ = stored(backend, "flipped", big)
+    path = backend.path_of(flipped)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    order = [hits[0][0], key("gone"), hits[1][0], flipped, *(k for k, _ in hits[2:])]
+    targets = [bytearray(big) for _ in order]
+    requests = [
+        GetRequest(key=k, spec=ObjectSpec.raw(big), buffers=as_buffers(memoryview(t)))
+        for k, t in zip(order, targets, strict=True)
+    ]
+    results = backend.get_into(requests)
+    assert [r.outcome for r in results] == [
+        GetOutcome.HIT,
+        GetOutcome.MISS,
+        GetOutcome.HIT,
+        GetOutcome.CORRUPT,
+        *[GetOutcome.HIT] * 4,
+    ]
+    expected = dict(hits)
+    for k, target, result in zip(order, targets, results, strict=True):
+        if result.outcome is GetOutcome.HIT:
+            assert bytes(target) == expected[k]
+        else:
+            assert target == bytes(big)
+
+
+def test_where_openat2_is_refused_the_part_is_read_from_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A named fake of a kernel without openat2 (this one has it): the C reader answers
+    ``NO_OPENAT2`` for every item, and each is then read by the component-wise open."""
+    component_or_skip("native")
+    with FileBackend(FileBackendConfig(root=tmp_path / "store")) as backend:
+        k, data = stored(backend, "fallback")
+        refused = [(5, 0, 0, 0)]
+        monkeypatch.setattr(file_module, "_READ_FILES", lambda items: refused * len(items))
+        result, got = get_bytes(backend, k, ObjectSpec.raw(SIZE))
+    assert result.outcome is GetOutcome.HIT
+    assert got == data
