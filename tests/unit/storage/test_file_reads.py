@@ -75,6 +75,7 @@ def test_more_buffers_than_one_readv_takes(backend: FileBackend) -> None:
 def test_no_file_is_a_miss(backend: FileBackend) -> None:
     result, got = get_bytes(backend, key("absent"), ObjectSpec.raw(SIZE))
     assert result.outcome is GetOutcome.MISS
+    assert got != bytes(SIZE)  # a miss leaves the caller's buffers as they were
 
 
 def test_a_link_at_the_object_is_a_miss_and_its_target_unread(
@@ -141,7 +142,7 @@ def test_a_directory_at_the_object_is_not_a_hit(backend: FileBackend) -> None:
 def test_damaged_objects_are_corrupt_and_zeroed(
     backend: FileBackend, damage: str, reason: str
 ) -> None:
-    k, data = stored(backend, damage)
+    k, _ = stored(backend, damage)
     path = backend.path_of(k)
     raw = bytearray(path.read_bytes())
     if damage == "truncate":
