@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 INSTALL_INPUTS := pyproject.toml ci/constraints.txt ci/sglang-cpu-requirements.txt \
-	sglang_storage/storage/_pagehash.c sglang_storage/storage/_objread.c
+	sglang_storage/storage/_pagehash.c sglang_storage/storage/_fileio.c
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k units -x"`.
 PYTEST_ARGS ?=
 
@@ -100,4 +100,4 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis .import_linter_cache
-	rm -f sglang_storage/storage/_pagehash.*.so sglang_storage/storage/_objread.*.so
+	rm -f sglang_storage/storage/_pagehash.*.so sglang_storage/storage/_fileio.*.so

@@ -5,7 +5,7 @@ A test that needs a component carries its marker:
 - ``gpu``      CUDA (``torch.cuda.is_available()``);
 - ``sglang``   the real SGLang 0.5.23 package;
 - ``mooncake`` a runnable ``mooncake_master`` and the Mooncake client library;
-- ``native``   the C extensions (``sglang_storage/storage/_pagehash.c``, ``_objread.c``).
+- ``native``   the C extensions (``sglang_storage/storage/_pagehash.c``, ``_fileio.c``).
 
 When the component is missing the test is skipped, and the reason says what is missing
 and how to get it (``-ra`` lists every skip reason in the summary). Components named in
@@ -79,7 +79,7 @@ def _missing_native() -> str | None:
 
     missing = [
         source
-        for source, built in (("_pagehash.c", keys.NATIVE), ("_objread.c", file.NATIVE_READS))
+        for source, built in (("_pagehash.c", keys.NATIVE), ("_fileio.c", file.NATIVE_READS))
         if not built
     ]
     if not missing:
@@ -120,7 +120,7 @@ MARKERS = {
     "gpu": "needs CUDA; skipped with a reason where it is absent",
     "sglang": f"needs the real SGLang {SGLANG_VERSION} package",
     "mooncake": "needs a runnable mooncake_master and the Mooncake client",
-    "native": "needs the C extensions (sglang_storage.storage._pagehash and _objread)",
+    "native": "needs the C extensions (sglang_storage.storage._pagehash and _fileio)",
 }
 
 

@@ -65,6 +65,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Final, cast
 
 import attrs
@@ -522,9 +523,10 @@ class FileBackend:
         Slots come straight from the names; keys are built only for odd files. None (the
         caller scans with :meth:`_scan_fan`) when a name is not a valid object name.
         """
-        with os.scandir(fan.path) as listing:
-            files = [e for e in listing if e.is_file(follow_symlinks=False)]
-        names = [e.name for e in files]
+        if _SCAN_FILES is not None:
+            names, file_sizes, blocks = _SCAN_FILES(os.fsencode(fan.path))
+        else:
+            names, file_sizes, blocks = _scan_files(fan.path)
         if not names:
             return [], []
         if not valid_names(names):
@@ -537,15 +539,14 @@ class FileBackend:
         kept: list[str] = []
         kept_sizes: list[int] = []
         odd: list[tuple[ObjectKey, os.stat_result]] = []
-        for name, entry in zip(names, files, strict=True):
+        for name, size, allocated in zip(names, file_sizes, blocks, strict=True):
             if digest(name.encode()) & 0xFF != number:
                 continue  # outside its own fan directory: not where path_of looks
-            try:
-                status = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            size = status.st_size
-            if status.st_blocks * 512 < size or (capacity is not None and size > capacity):
+            if allocated * 512 < size or (capacity is not None and size > capacity):
+                try:
+                    status = os.stat(os.path.join(fan.path, name), follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
                 odd.append((namespace.key(name), status))
             else:
                 kept.append(name)
@@ -1438,23 +1439,49 @@ class _Read:
 _ReadFiles = Callable[[list[tuple[bytes, list[memoryview]]]], list[tuple[int, int, int, int]]]
 
 
-def _native_reader() -> _ReadFiles | None:
-    # The batch reader in C (_objread.c), where the package was installed with it built.
+def _native_module() -> ModuleType | None:
+    # The system calls in C (_fileio.c), where the package was installed with them built.
     try:
-        module = importlib.import_module("sglang_storage.storage._objread")
+        return importlib.import_module("sglang_storage.storage._fileio")
     except ImportError:
         return None
-    return cast(_ReadFiles, module.read_files)
+
+
+def _native_reader() -> _ReadFiles | None:
+    return cast("_ReadFiles | None", getattr(_native_module(), "read_files", None))
+
+
+def _scan_files(path: str) -> tuple[list[str], list[int], list[int]]:
+    """The regular files of directory ``path`` (no link), their sizes and 512-byte blocks."""
+    names: list[str] = []
+    sizes: list[int] = []
+    blocks: list[int] = []
+    with os.scandir(path) as listing:
+        for entry in listing:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                status = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            names.append(entry.name)
+            sizes.append(status.st_size)
+            blocks.append(status.st_blocks)
+    return names, sizes, blocks
 
 
 _READ_FILES: Final = _native_reader()
+_SCAN_FILES: Final = cast(
+    "Callable[[bytes], tuple[list[str], list[int], list[int]]] | None",
+    getattr(_native_module(), "scan_files", None),
+)
 
-NATIVE_READS: Final = _READ_FILES is not None
-"""Whether reads run in the C batch reader here (else one by one from Python)."""
+NATIVE_READS: Final = _READ_FILES is not None and _SCAN_FILES is not None
+"""Whether reads and index scans run in C here (else from Python, call by call)."""
 _HOT_READ_BYTES: Final = 256 << 10
 """Payload bytes read in one C call before their checksums are taken (about half of one
 core's L2 cache here, so the checksum reads cached bytes)."""
-# _objread's outcome codes.
+# _fileio's outcome codes.
 _READ, _MISSING, _LINK, _NOT_REGULAR, _FAILED = range(5)
 
 

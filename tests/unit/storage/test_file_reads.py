@@ -1,8 +1,9 @@
 """The ``file`` backend's read path, on both of its readers.
 
-Every test runs twice (``file_reader``): on the C batch reader (``_objread.c``: openat2,
-preadv and close for a whole part without the GIL) and on the Python reader it stands in
-for (``_read_raw``, also what a kernel without openat2 gets). Each outcome a read can
+Every test runs twice (``file_reader``): on the C calls (``_fileio.c``: openat2, preadv
+and close for a whole part without the GIL; the index rebuild's directory scan) and on
+the Python code they stand in for (``_read_raw``, also what a kernel without openat2
+gets, and ``_scan_files``). Each outcome a read can
 have is made with real files: a hit into many buffers, no file, a link at the object's
 place or on its way, a FIFO, a directory, a truncated file, trailing bytes, a payload
 bit flip, and a batch mixing them.
@@ -38,6 +39,7 @@ def file_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         component_or_skip("native")
     else:
         monkeypatch.setattr(file_module, "_READ_FILES", None)
+        monkeypatch.setattr(file_module, "_SCAN_FILES", None)
     return str(request.param)
 
 
@@ -202,3 +204,33 @@ def test_where_openat2_is_refused_the_part_is_read_from_python(
         result, got = get_bytes(backend, k, ObjectSpec.raw(SIZE))
     assert result.outcome is GetOutcome.HIT
     assert got == data
+
+
+def test_reopening_indexes_the_objects_and_nothing_else(tmp_path: Path, file_reader: str) -> None:
+    """The index rebuild's directory scan (in C, or from Python): regular files only, a
+    sparse file that claims more than its header accounts for is quarantined."""
+    root = tmp_path / "store"
+    with FileBackend(FileBackendConfig(root=root)) as backend:
+        kept = [stored(backend, f"kept-{i}") for i in range(40)]
+        fan = backend.path_of(kept[0][0]).parent
+        sparse = backend.path_of(key("sparse"))
+        linked = backend.path_of(key("linked"))
+        fifo = backend.path_of(key("fifo"))
+    for place in (sparse, linked, fifo):
+        place.parent.mkdir(parents=True, exist_ok=True)
+    with sparse.open("wb") as handle:
+        handle.truncate(1 << 30)  # 1 GiB of holes
+    linked.symlink_to(backend.path_of(kept[1][0]))
+    os.mkfifo(fifo)
+    (fan / "stray-dir").mkdir()
+    with FileBackend(FileBackendConfig(root=root)) as reopened:
+        stats = reopened.stats()
+        assert stats.objects == len(kept)
+        assert stats.bytes == len(kept) * (HEADER_SIZE + SIZE)
+        assert reopened.exists([k for k, _ in kept]) == [True] * len(kept)
+        assert reopened.exists([key("sparse"), key("linked"), key("fifo")]) == [False] * 3
+        for k, data in kept[:3]:
+            result, got = get_bytes(reopened, k, ObjectSpec.raw(SIZE))
+            assert result.outcome is GetOutcome.HIT
+            assert got == data
+    assert not sparse.exists()  # quarantined at the scan
