@@ -9,6 +9,7 @@
 # or not. Run from anywhere; it works in the repository root. Writes into OUTDIR:
 #
 #   env.txt            python, torch, CUDA and GPU facts
+#   native.log         the in-place build of the C extensions (best effort)
 #   gpu-tests.xml      JUnit XML of `pytest tests/gpu -m gpu`
 #   gpu-tests.log      the pytest output (-ra: every skip with its reason)
 #   gpu_transfer.json  benchmark rows: pipeline vs plain pinned copy_, GiB/s and ratio
@@ -102,6 +103,15 @@ if [[ "$cuda" == 1 ]]; then
     export SGLANG_STORAGE_REQUIRE=gpu
 else
     export SGLANG_STORAGE_REQUIRE=""
+fi
+
+# ------------------------------------------------------------------ C extensions
+# Best effort: where this machine has a compiler and OpenSSL's headers the C page keys and
+# file reads are built in place, else the Python paths run (same results, slower).
+if timeout 120 "$PYTHON" ci/build_native.py >"$outdir/native.log" 2>&1; then
+    echo "C extensions: built" | tee -a "$summary"
+else
+    echo "C extensions: not (all) built, the Python paths run; see native.log" | tee -a "$summary"
 fi
 
 # ------------------------------------------------------------------ tests
