@@ -47,6 +47,7 @@ from sglang_storage.cli.settings import (
     MANAGER_NAMES,
     MAX_CONFIG_BYTES,
     PREFETCH_POLICIES,
+    RECORDS_STAGING_MIN,
     RECORDS_TRANSPORTS,
     WRITE_POLICIES,
     StorageSettings,
@@ -54,6 +55,7 @@ from sglang_storage.cli.settings import (
     read_config_bytes,
 )
 from sglang_storage.config import (
+    BYTES,
     build_config,
     int_in_range,
     non_empty_str,
@@ -78,6 +80,7 @@ __all__ = [
     "LOG_LEVELS",
     "MANAGER_NAMES",
     "PREFETCH_POLICIES",
+    "RECORDS_STAGING_MIN",
     "RECORDS_TRANSPORTS",
     "SGLANG_DEFAULTS",
     "STORAGE_DESTS",
@@ -326,6 +329,21 @@ def parse_host_memory(text: str) -> int:
     return size
 
 
+def parse_records_staging(text: str) -> int:
+    """Return the host bytes ``text`` names for records on their way to storage.
+
+    Raises:
+        ConfigError: not a size, or less than 4 KiB.
+    """
+    field = "--storage-records-staging"
+    size = parse_bytes(text, owner=_OWNER, field=field)
+    if size < RECORDS_STAGING_MIN:
+        raise ConfigError(
+            owner=_OWNER, field=field, value=text, reason="must be at least 4KiB (one block)"
+        )
+    return size
+
+
 def parse_managers(text: str) -> tuple[str, ...]:
     """Return the manager names of a comma-separated ``--storage-managers`` value.
 
@@ -517,6 +535,16 @@ def _flags() -> tuple[_Flag, ...]:
             choices=RECORDS_TRANSPORTS,
         ),
         _Flag(
+            "--storage-records-staging",
+            "storage_records_staging",
+            "SIZE",
+            "Host memory of each scheduler process for RL top-k records on their way to "
+            f"storage ({SIZE_HELP}), taken from the process's host memory budget; a "
+            "record that finds no room there goes SGLang's way (base64 through ZMQ) and "
+            "is logged. Default: 256MiB.",
+            parse_records_staging,
+        ),
+        _Flag(
             "--storage-managers",
             "storage_managers",
             "LIST",
@@ -542,6 +570,7 @@ STORAGE_DESTS: Final = (
     "storage_load_policy",
     "storage_log_level",
     "storage_records_transport",
+    "storage_records_staging",
     "storage_managers",
 )
 """The argparse destinations of the ``--storage-*`` flags (none is a ServerArgs field)."""
@@ -620,6 +649,10 @@ class StorageFlags:
         default=None, validator=optional(one_of(*RECORDS_TRANSPORTS))
     )
     """How RL top-k records reach the client (``store`` when None)."""
+    records_staging_bytes: int | None = attrs.field(
+        default=None, metadata=BYTES, validator=optional(int_in_range(low=RECORDS_STAGING_MIN))
+    )
+    """Host bytes for records on their way to storage (256 MiB when None)."""
     managers: tuple[str, ...] = attrs.field(
         default=AVAILABLE_MANAGERS, validator=tuple_of(one_of(*MANAGER_NAMES))
     )
@@ -698,6 +731,7 @@ def storage_flags_from_args(args: argparse.Namespace) -> StorageFlags | None:
         load_policy=given.get("storage_load_policy"),
         log_level=given.get("storage_log_level"),
         records_transport=given.get("storage_records_transport"),
+        records_staging_bytes=given.get("storage_records_staging"),
         managers=given.get("storage_managers", AVAILABLE_MANAGERS),
         file_storage_path=getattr(args, "file_storage_path", None) or None,
     )
@@ -728,6 +762,8 @@ def extra_config(flags: StorageFlags) -> dict[str, object]:
         config["storage_log_level"] = flags.log_level
     if flags.records_transport is not None:
         config["storage_records_transport"] = flags.records_transport
+    if flags.records_staging_bytes is not None:
+        config["storage_records_staging"] = flags.records_staging_bytes
     prefetch = {
         "prefetch_threshold": flags.prefetch_threshold,
         "prefetch_timeout_base": flags.prefetch_timeout_base,

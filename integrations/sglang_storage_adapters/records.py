@@ -326,6 +326,11 @@ class RecordPublisher:
         """The record store the rows are written through."""
         return self._store
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes held for records on their way to storage."""
+        return self._pool.stats().capacity_bytes
+
     def publish(self, kind: str, rid: str, rows: torch.Tensor) -> RecordHandle | None:
         """Write ``rows`` of request ``rid`` and return its handle.
 
@@ -406,7 +411,8 @@ def publisher(settings: RuntimeSettings, model: str) -> RecordPublisher:
     with _publishers_lock:
         found = _publishers.get(0)
         if found is None:
-            found = _publishers[0] = RecordPublisher(settings, model=model)
+            staging = settings.records_staging or STAGING_BYTES
+            found = _publishers[0] = RecordPublisher(settings, model=model, staging_bytes=staging)
         return found
 
 

@@ -46,7 +46,15 @@ from typing import Any, Final
 
 import attrs
 
-from sglang_storage.config import BYTES, build_config, non_empty_str, one_of, optional, tuple_of
+from sglang_storage.config import (
+    BYTES,
+    build_config,
+    int_in_range,
+    non_empty_str,
+    one_of,
+    optional,
+    tuple_of,
+)
 from sglang_storage.config import non_negative_int as _non_negative_int
 from sglang_storage.errors import ConfigError
 from sglang_storage.managers.logs import LOG_LEVELS, apply_log_level
@@ -59,6 +67,7 @@ from sglang_storage_adapters.flags import (
     DYNAMIC_BACKEND_NAME,
     LOAD_POLICIES,
     MANAGER_NAMES,
+    RECORDS_STAGING_MIN,
     RECORDS_TRANSPORTS,
 )
 
@@ -103,6 +112,7 @@ _OUR_KEYS: Final = frozenset(
         "storage_load_policy",
         "storage_log_level",
         "storage_records_transport",
+        "storage_records_staging",
     }
 )
 
@@ -138,6 +148,11 @@ class RuntimeSettings:
     """The sglang_storage loggers' level (``--storage-log-level``; SGLang's when None)."""
     records_transport: str = attrs.field(default="store", validator=one_of(*RECORDS_TRANSPORTS))
     """How RL top-k records reach the client (``--storage-records-transport``)."""
+    records_staging: int | None = attrs.field(
+        default=None, metadata=BYTES, validator=optional(int_in_range(low=RECORDS_STAGING_MIN))
+    )
+    """Host bytes for records on their way to storage (``--storage-records-staging``;
+    ``None``: the records adapter's default)."""
 
     def enabled(self, manager: str) -> bool:
         """Whether ``manager`` (one of :data:`~.flags.MANAGER_NAMES`) is switched on."""
@@ -253,6 +268,7 @@ def parse_settings(
             records_transport=extra.get(  # type: ignore[arg-type]
                 "storage_records_transport", "store"
             ),
+            records_staging=_optional_size(extra, "storage_records_staging"),
         )
     except ConfigError as error:
         raise error.renamed(owner=_OWNER) from None
@@ -282,6 +298,11 @@ def _size(value: object, field: str) -> int:
             allowed='an int, or a string such as "64GiB"',
         )
     return value if isinstance(value, int) else parse_bytes(value, owner=_OWNER, field=field)
+
+
+def _optional_size(extra: Mapping[str, object], field: str) -> int | None:
+    value = extra.get(field)
+    return None if value is None else _size(value, field)
 
 
 def _reservations(data: object) -> tuple[tuple[str, int], ...]:

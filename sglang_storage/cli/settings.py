@@ -146,6 +146,11 @@ def _check_log_level(instance: object, attribute: attrs.Attribute[object], value
     one_of(*LOG_LEVELS)(instance, attribute, value)
 
 
+RECORDS_STAGING_MIN: Final = 4096
+"""The least records staging: one block of the staging pool
+(``sglang_storage.memory.records.BLOB_ALIGNMENT``; this module imports no torch)."""
+
+
 @attrs.frozen(kw_only=True)
 class StorageSettings:
     """What a storage config file sets; ``None`` is "not set" (the flag's default applies).
@@ -183,6 +188,10 @@ class StorageSettings:
     records_transport: str | None = attrs.field(
         default=None, validator=optional(one_of(*RECORDS_TRANSPORTS))
     )
+    records_staging: int | None = attrs.field(
+        default=None, validator=optional(int_in_range(low=RECORDS_STAGING_MIN)), metadata=BYTES
+    )
+    """Host bytes of each scheduler process for records on their way to storage."""
     managers: tuple[str, ...] | None = attrs.field(default=None, validator=_check_managers)
 
     def __attrs_post_init__(self) -> None:

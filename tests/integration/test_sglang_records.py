@@ -34,6 +34,7 @@ from support.sglang_hooks import records_installed
 pytestmark = pytest.mark.sglang
 
 LAYERS, TOPK, SLOTS = 4, 3, 64
+FORWARD_TOKENS = 16  # the most one forward takes here (SGLang sizes it from chunked prefill)
 
 
 def publish(
@@ -44,6 +45,7 @@ def publish(
     transport: str | None = None,
     backend: str = "file",
     options: dict[str, object] | None = None,
+    staging: int | None = None,
 ) -> Any:
     """ServerArgs as ``--storage-backend`` leaves them, published for this process."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -53,6 +55,7 @@ def publish(
         backend=backend,
         backend_options=options if options is not None else {"root": str(root)},
         records_transport=transport,
+        records_staging_bytes=staging,
     )
     settings = hicache_settings(flags)
     extra = json.loads(str(settings.pop("hicache_storage_backend_extra_config")))
@@ -74,7 +77,7 @@ def installed() -> Iterator[Any]:
         yield records
 
 
-def capturer(device: str = "cpu") -> Any:
+def capturer(device: str = "cpu", slots: int = SLOTS) -> Any:
     """SGLang's routed-experts capturer, as ``ModelRunner`` builds it."""
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
 
@@ -83,7 +86,7 @@ def capturer(device: str = "cpu") -> Any:
     )
     return RoutedExpertsCapturer(
         config,
-        num_tokens=SLOTS,
+        num_tokens=slots,
         max_running_requests=4,
         num_fused_shared_experts=0,
         device=device,
@@ -107,26 +110,32 @@ def forward(cap: Any, slots: torch.Tensor, seed: int, device: str = "cpu") -> to
     """
     g = torch.Generator().manual_seed(seed)
     rows = torch.randint(0, 256, (slots.numel(), LAYERS, TOPK), generator=g, dtype=torch.int32)
-    on_device = rows.to(device)
-    for layer in range(LAYERS):
-        cap.capture(layer, on_device[:, layer, :])
-    batch = types.SimpleNamespace(out_cache_loc=slots.to(device), out_cache_loc_virtual=None)
-    output = cap.on_forward_end(batch, False, None, no_copy_to_cpu=True)
-    output.map_device_tensors(lambda t: t.to("cpu", non_blocking=True))
-    if device != "cpu":
-        torch.cuda.synchronize()  # SGLang's copy_done.synchronize()
-    output.finalize()
+    for start in range(0, slots.numel(), FORWARD_TOKENS):  # the capturer's batch at most
+        part = slice(start, start + FORWARD_TOKENS)
+        on_device = rows[part].to(device)
+        for layer in range(LAYERS):
+            cap.capture(layer, on_device[:, layer, :])
+        batch = types.SimpleNamespace(
+            out_cache_loc=slots[part].to(device), out_cache_loc_virtual=None
+        )
+        output = cap.on_forward_end(batch, False, None, no_copy_to_cpu=True)
+        output.map_device_tensors(lambda t: t.to("cpu", non_blocking=True))
+        if device != "cpu":
+            torch.cuda.synchronize()  # SGLang's copy_done.synchronize()
+        output.finalize()
     return rows
 
 
-def finished_request(cap: Any, prompt: int, generated: int, rid: str) -> tuple[Any, Any, Any]:
+def finished_request(
+    cap: Any, prompt: int, generated: int, rid: str, slots: int = SLOTS
+) -> tuple[Any, Any, Any]:
     """A real Req and ReqToTokenPool whose KV slots the capturer filled; returns
     ``(req, processor, expected rows)`` (``processor`` holds what the collect reads)."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    pool = ReqToTokenPool(size=4, max_context_len=SLOTS, device="cpu", enable_memory_saver=False)
+    pool = ReqToTokenPool(size=4, max_context_len=slots, device="cpu", enable_memory_saver=False)
     req = Req(
         rid,
         "",
@@ -136,9 +145,9 @@ def finished_request(cap: Any, prompt: int, generated: int, rid: str) -> tuple[A
     )
     assert pool.alloc([req]) is not None
     seqlen = prompt + generated
-    slots = torch.randperm(SLOTS, generator=torch.Generator().manual_seed(1))[:seqlen]
-    pool.write((req.kv.req_pool_idx, slice(0, seqlen)), slots.to(torch.int32))
-    rows = forward(cap, slots, seed=2)
+    taken = torch.randperm(slots, generator=torch.Generator().manual_seed(1))[:seqlen]
+    pool.write((req.kv.req_pool_idx, slice(0, seqlen)), taken.to(torch.int32))
+    rows = forward(cap, taken, seed=2)
     req.output_ids = array("q", range(generated))
     req.finished_reason = FINISH_LENGTH(length=generated)
     return req, types.SimpleNamespace(req_to_token_pool=pool), rows[: seqlen - 1]
@@ -547,6 +556,66 @@ def test_handles_reject_what_is_not_one() -> None:
     with pytest.raises(ConfigError, match="kind"):
         record_key("logprobs", "r")
     assert record_key("routed_experts", "a/b c") != record_key("indexer_topk", "a/b c")
+
+
+def test_the_staging_flag_sizes_the_pool_and_a_record_too_big_goes_sglangs_way(
+    tmp_path: Path, installed: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    slots = 256
+    publish(tmp_path / "store", staging=4096)  # the least: one block
+    cap = capturer(slots=slots)
+    req, processor, expected = finished_request(cap, 100, 20, rid="roomy", slots=slots)
+    assert expected.numel() * 4 > 4096  # 119 rows x 4 layers x top-3, int32
+    with caplog.at_level("WARNING", logger="sglang_storage_adapters.records"):
+        collect(req, processor, cap)
+    assert torch.equal(req.routed_experts, expected)  # SGLang's rows, sent its way
+    assert "do not fit the staging pool" in caplog.text
+    publisher = installed._publishers[0]
+    assert publisher.staging_bytes == 4096
+    small, processor, small_rows = finished_request(cap, 10, 5, rid="fits", slots=slots)
+    collect(small, processor, cap)
+    assert small.routed_experts.dtype == torch.uint8  # a handle: 14 rows fit
+    assert torch.equal(installed.fetch_record(meta_info(small.routed_experts)), small_rows)
+
+
+def test_the_staging_flag_reaches_the_settings_every_process_reads(tmp_path: Path) -> None:
+    import argparse
+
+    from sglang_storage_adapters.flags import (
+        StorageFlags,
+        add_storage_cli_args,
+        extra_config,
+        parse_records_staging,
+        storage_flags_from_args,
+    )
+    from sglang_storage_adapters.runtime import parse_settings
+
+    from sglang_storage.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_storage_cli_args(parser)
+    args = parser.parse_args(["--storage-backend", "memory", "--storage-records-staging", "1GiB"])
+    flags = storage_flags_from_args(args)
+    assert flags is not None
+    assert parse_settings(extra_config(flags)).records_staging == 1 << 30
+    config = tmp_path / "storage.json"
+    config.write_text(json.dumps({"backend": "memory", "records-staging": "8MiB"}))
+    from_file = storage_flags_from_args(parser.parse_args(["--storage-config", str(config)]))
+    assert from_file is not None
+    assert from_file.records_staging_bytes == 8 << 20
+    assert parse_settings(extra_config(StorageFlags(backend="memory"))).records_staging is None
+    given = {"storage_backend": "memory", "storage_records_staging": "64MiB"}
+    assert parse_settings(given).records_staging == 64 << 20
+    from sglang_storage.cli.settings import RECORDS_STAGING_MIN
+    from sglang_storage.memory.records import BLOB_ALIGNMENT
+
+    assert RECORDS_STAGING_MIN == BLOB_ALIGNMENT  # the least pool the flag may ask for
+    with pytest.raises(ConfigError, match="at least 4KiB"):
+        parse_records_staging("4095")
+    with pytest.raises(ConfigError, match="records_staging"):
+        StorageFlags(backend="memory", records_staging_bytes=0)
+    with pytest.raises(ConfigError, match="storage_records_staging"):
+        parse_settings({"storage_backend": "memory", "storage_records_staging": [1]})
 
 
 def test_the_transport_flag_reaches_the_settings_every_process_reads() -> None:
