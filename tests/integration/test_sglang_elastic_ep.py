@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
-import os
 import sys
 import time
 import types
@@ -198,6 +197,29 @@ def installed() -> Iterator[None]:
         HookRegistry._patched.update(saved[1])
 
 
+def bind_port_pair(first: Any, second: Any, attempts: int = 20) -> int:
+    """Bind two zmq sockets to a free port and the next one; returns the first port.
+
+    A port found free can be taken by another process before it is bound, and the next
+    port may not be free at all: such a pair is given up and another one tried.
+    """
+    import zmq
+
+    for _ in range(attempts):
+        base = free_port()
+        try:
+            first.bind(f"tcp://{LOOPBACK}:{base}")
+        except zmq.ZMQError:
+            continue
+        try:
+            second.bind(f"tcp://{LOOPBACK}:{base + 1}")
+        except zmq.ZMQError:
+            first.unbind(f"tcp://{LOOPBACK}:{base}")
+            continue
+        return base
+    raise AssertionError(f"no two free consecutive ports on {LOOPBACK} in {attempts} tries")
+
+
 @pytest.fixture
 def loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mooncake and SGLang on 127.0.0.1 only, the holder's port free (inherited by children)."""
@@ -339,15 +361,14 @@ def test_without_weights_in_the_managers_sglang_builds_and_runs_its_own_client(
     from sglang.srt.managers.io_struct import BackupDramReq, sock_recv, sock_send
 
     write_checkpoint(tmp_path / "model")
-    base = int(os.environ["SGLANG_BACKUP_PORT_BASE"])
-    # SGLang's client reads the port base once, when its module is first imported.
-    monkeypatch.setattr(expert_backup_client, "PORT_BASE", base)
     context = zmq.Context()
-    pull, pub = context.socket(zmq.PULL), context.socket(zmq.PUB)
-    pull.bind(f"tcp://{LOOPBACK}:{base}")
-    pub.bind(f"tcp://{LOOPBACK}:{base + 1}")
     with contextlib.ExitStack() as stack:
-        stack.callback(context.destroy, linger=0)
+        stack.callback(context.destroy, linger=0)  # also when a bind fails
+        pull, pub = context.socket(zmq.PULL), context.socket(zmq.PUB)
+        base = bind_port_pair(pull, pub)
+        # SGLang's client reads the port base once, when its module is first imported.
+        monkeypatch.setattr(expert_backup_client, "PORT_BASE", base)
+        monkeypatch.setenv("SGLANG_BACKUP_PORT_BASE", str(base))
         stack.enter_context(installed())
         from sglang.srt.model_executor import model_runner
 
