@@ -14,12 +14,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 from sglang_storage_adapters.capture_rows import CaptureRows
+from support.gpu_kv import host_memory
 
 from sglang_storage.memory import (
-    BudgetConfig,
-    HostMemory,
-    HostMemoryBudget,
-    MemoryFacts,
     Pinning,
     RecordPool,
     RecordPoolConfig,
@@ -27,14 +24,8 @@ from sglang_storage.memory import (
 
 pytestmark = pytest.mark.gpu
 
-FACTS = MemoryFacts(physical=64 << 30, available=64 << 30)
 PAGE, LAYERS, TOPK, SLOTS, HOST_PAGES = 4, 5, 8, 64, 12
 SLEEP_CYCLES = 50_000_000  # about 25 ms at 2 GHz
-
-
-def memory() -> HostMemory:
-    budget = HostMemoryBudget(BudgetConfig(total=64 << 20, headroom=0), facts=FACTS)
-    return HostMemory(budget, pinning=Pinning.ALWAYS)
 
 
 @pytest.fixture(params=["sglang-registered", "records-pool"])
@@ -44,7 +35,8 @@ def mirror(request: pytest.FixtureRequest) -> Iterator[torch.Tensor]:
     values = torch.randint(0, 1 << 20, (SLOTS, LAYERS, TOPK), generator=g, dtype=torch.int32)
     if request.param == "records-pool":
         pool = RecordPool(
-            RecordPoolConfig(shape=(LAYERS, TOPK), dtype=torch.int32, capacity=SLOTS), memory()
+            RecordPoolConfig(shape=(LAYERS, TOPK), dtype=torch.int32, capacity=SLOTS),
+            host_memory(64 << 20),
         )
         pool.alloc(SLOTS)
         pool.records.copy_(values)
@@ -66,7 +58,11 @@ def test_rows_are_saved_and_restored_on_the_stream_without_the_host_waiting(
     mirror: torch.Tensor,
 ) -> None:
     rows = CaptureRows(
-        "routed_experts", mirror, page_size=PAGE, host_pages=HOST_PAGES, memory=memory()
+        "routed_experts",
+        mirror,
+        page_size=PAGE,
+        host_pages=HOST_PAGES,
+        memory=host_memory(64 << 20),
     )
     original = mirror.clone()
     host_pages = torch.tensor([3, 0])
@@ -100,8 +96,7 @@ def test_rows_are_saved_and_restored_on_the_stream_without_the_host_waiting(
 
 
 def test_a_side_pool_that_is_not_page_locked_still_gets_the_rows(mirror: torch.Tensor) -> None:
-    budget = HostMemoryBudget(BudgetConfig(total=64 << 20, headroom=0), facts=FACTS)
-    pageable = HostMemory(budget, pinning=Pinning.NEVER)
+    pageable = host_memory(64 << 20, Pinning.NEVER)
     rows = CaptureRows(
         "indexer_topk", mirror, page_size=PAGE, host_pages=HOST_PAGES, memory=pageable
     )

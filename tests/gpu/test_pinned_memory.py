@@ -10,19 +10,15 @@ import gc
 
 import pytest
 import torch
+from support.gpu_kv import host_memory
 
 from sglang_storage.core import DataKind
 from sglang_storage.errors import ConfigError, StateError
 from sglang_storage.memory import (
     Attention,
-    BudgetConfig,
-    HostMemory,
-    HostMemoryBudget,
     KVGeometry,
     KVHostPool,
     KVLayout,
-    MemoryFacts,
-    Pinning,
     RecordPool,
     RecordPoolConfig,
 )
@@ -30,7 +26,6 @@ from sglang_storage.memory.host import TorchCudaRuntime, _clear_latched_error
 
 pytestmark = pytest.mark.gpu
 
-FACTS = MemoryFacts(physical=64 << 30, available=64 << 30)
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 
 GEOMETRY = KVGeometry(
@@ -43,12 +38,6 @@ GEOMETRY = KVGeometry(
     head_num=8,
     head_dim=128,
 )  # 64 MiB
-
-
-def pinned_memory(total: int) -> HostMemory:
-    """A page-locked HostMemory with a ``total``-byte budget."""
-    budget = HostMemoryBudget(BudgetConfig(total=total, headroom=0), facts=FACTS)
-    return HostMemory(budget, pinning=Pinning.ALWAYS)
 
 
 def registered(tensor: torch.Tensor) -> bool:
@@ -83,7 +72,7 @@ def test_geometry_is_64_mib() -> None:
 def test_dropped_pools_unregister_and_leave_no_error_behind() -> None:
     device = torch.empty(GEOMETRY.total_bytes, dtype=torch.uint8, device="cuda")
     for round_ in range(30):
-        pool = KVHostPool(GEOMETRY, pinned_memory(128 << 20))
+        pool = KVHostPool(GEOMETRY, host_memory(128 << 20))
         raw = pool.buffer.tensor
         assert registered(raw), f"round {round_}"
         raw[:4096].fill_(round_)
@@ -96,14 +85,14 @@ def test_dropped_pools_unregister_and_leave_no_error_behind() -> None:
 
 
 def test_a_collected_buffer_is_no_longer_registered() -> None:
-    memory = pinned_memory(1 << 24)
+    memory = host_memory(1 << 24)
     buffer = memory.allocate(DataKind.KV, 1 << 20, label="collected")
     tensor = buffer.tensor
     assert registered(tensor)
     memory.release(buffer)
     assert not registered(tensor)
 
-    pool = KVHostPool(GEOMETRY, pinned_memory(128 << 20))
+    pool = KVHostPool(GEOMETRY, host_memory(128 << 20))
     kept = pool.buffer.tensor  # outlives the pool and its buffer
     assert registered(kept)
     del pool
@@ -127,7 +116,7 @@ def test_a_failed_register_leaves_no_latched_error() -> None:
 
 def record_pool() -> RecordPool:
     config = RecordPoolConfig(shape=(4, 2), dtype=torch.float32, capacity=16)
-    return RecordPool(config, pinned_memory(1 << 20))
+    return RecordPool(config, host_memory(1 << 20))
 
 
 def test_device_view_sees_writes_made_after_it() -> None:

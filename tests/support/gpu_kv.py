@@ -33,6 +33,7 @@ __all__ = [
     "SlowBackend",
     "expected_load",
     "expected_offload",
+    "host_memory",
     "host_row",
     "make_device",
     "make_host",
@@ -76,11 +77,17 @@ def make_device(g: KVGeometry, tokens: int, seed: int, on: str = "cuda") -> Devi
     return device
 
 
+def host_memory(total: int, pinning: Pinning = Pinning.ALWAYS) -> HostMemory:
+    """A HostMemory with a ``total``-byte budget (facts of a 64 GiB host), page-locked
+    unless ``pinning`` says otherwise."""
+    facts = MemoryFacts(physical=64 << 30, available=64 << 30)
+    budget = HostMemoryBudget(BudgetConfig(total=total, headroom=0), facts=facts)
+    return HostMemory(budget, pinning=pinning)
+
+
 def make_host(g: KVGeometry, pinning: Pinning, seed: int) -> KVHostPool:
     """A host pool of every page of ``g``, all allocated, filled with random bytes."""
-    facts = MemoryFacts(physical=64 << 30, available=64 << 30)
-    budget = HostMemoryBudget(BudgetConfig(total=256 << 20, headroom=0), facts=facts)
-    host = KVHostPool(g, HostMemory(budget, pinning=pinning))
+    host = KVHostPool(g, host_memory(256 << 20, pinning))
     randomize(host.kv_buffer, seed)
     host.alloc(g.num_pages)
     return host
