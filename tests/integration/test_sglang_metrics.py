@@ -16,131 +16,21 @@ prefetch into a second tree. Then:
 from __future__ import annotations
 
 import argparse
-import atexit
-import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from array import array
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from support.sglang_tree import LIVE, PAGE, SEQ, TOKENS, Tree, prefetch, server_args
 
 pytestmark = pytest.mark.sglang
 
-PAGE, LAYERS, TOKENS = 4, 2, 16
-SEQ = list(range(300, 300 + TOKENS))
 HERE = Path(__file__).resolve().parent
-
-
-def server_args(root: Path, *, log_level: str | None = None) -> Any:
-    """ServerArgs as ``--storage-backend file [--storage-log-level L]`` leave them."""
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-    from sglang_storage_adapters.flags import StorageFlags, hicache_settings
-
-    flags = StorageFlags(backend="file", backend_options={"root": str(root)}, log_level=log_level)
-    settings = hicache_settings(flags)
-    extra = json.loads(str(settings.pop("hicache_storage_backend_extra_config")))
-    extra["prefetch_threshold"] = PAGE
-    args = ServerArgs(
-        model_path="dummy",
-        page_size=PAGE,
-        hicache_write_policy="write_through",
-        hicache_storage_prefetch_policy="wait_complete",
-        hicache_storage_backend_extra_config=json.dumps(extra),
-        **settings,
-    )
-    set_global_server_args_for_scheduler(args)
-    return args
-
-
-class Tree:
-    """One UnifiedRadixCache with HiCache on a CPU MHA pool."""
-
-    def __init__(self, args: Any, *, enable_metrics: bool = False) -> None:
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-        self.kv = MHATokenToKVPool(
-            size=64,
-            page_size=PAGE,
-            dtype=torch.bfloat16,
-            head_num=2,
-            head_dim=16,
-            layer_num=LAYERS,
-            device="cpu",
-            enable_memory_saver=False,
-            kv_cache_layout="nhd",
-        )
-        self.alloc = PagedTokenToKVPoolAllocator(
-            size=64,
-            page_size=PAGE,
-            dtype=torch.bfloat16,
-            device="cpu",
-            kvcache=self.kv,
-            need_sort=False,
-        )
-        params = CacheInitParams(
-            req_to_token_pool=ReqToTokenPool(
-                size=4, max_context_len=128, device="cpu", enable_memory_saver=False
-            ),
-            token_to_kv_pool_allocator=self.alloc,
-            page_size=PAGE,
-            disable=False,
-            tree_components=(ComponentType.FULL,),
-            enable_metrics=enable_metrics,
-        )
-        self.cache = UnifiedRadixCache(params=params)
-        self.cache.init_hicache(args, params)
-        atexit.unregister(self.cache.shutdown)
-
-    def key(self, tokens: list[int]) -> Any:
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        return RadixKey(array("q", tokens))
-
-    def drain(self, done: Any) -> None:
-        deadline = time.monotonic() + 10.0
-        while not done():
-            assert time.monotonic() < deadline, "HiCache did not finish in time"
-            self.cache.check_hicache_events()
-            self.cache.drain_storage_control_queues()
-            time.sleep(0.005)
-
-    def insert_and_back_up(self) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-
-        value = self.alloc.alloc(TOKENS)
-        assert value is not None
-        for plane in (self.kv.k_buffer, self.kv.v_buffer):
-            for layer in range(LAYERS):
-                plane[layer][value] = torch.randn(plane[layer][value].shape).to(torch.bfloat16)
-        self.cache.insert(InsertParams(key=self.key(SEQ), value=value.to(torch.int64)))
-        leaf = self.cache.match_prefix(MatchPrefixParams(key=self.key(SEQ))).last_device_node
-        self.cache.writing_check(write_back=True)
-        self.cache.write_backup_storage(leaf)
-        self.drain(lambda: not self.cache.ongoing_backup)
-
-    def prefetch(self) -> int:
-        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
-        request = CacheRequestHandle("metrics-req", 0)
-        root = self.cache.root_node_handle()
-        self.cache.prefetch_from_storage(request, root, array("q", SEQ), None, None)
-        self.drain(lambda: self.cache.check_prefetch_progress(request))
-        return int(self.cache.pop_prefetch_loaded_tokens(request))
-
-    def detach(self) -> None:
-        ok, message = self.cache.detach_storage_backend()
-        assert ok, message
 
 
 def workload(root: Path, *, enable_metrics: bool = False, log_level: str | None = None) -> None:
@@ -154,14 +44,17 @@ def workload(root: Path, *, enable_metrics: bool = False, log_level: str | None 
 
     args = server_args(root, log_level=log_level)
     producer = Tree(args)
-    producer.insert_and_back_up()
+    producer.insert_random(SEQ, seed=3)
+    producer.backup_to_storage(SEQ)
     consumer = Tree(args, enable_metrics=enable_metrics)
-    assert consumer.prefetch() == TOKENS
+    assert prefetch(consumer, "metrics-req") == TOKENS
     if enable_metrics:
         time.sleep(REFRESH_INTERVAL_S + 0.1)
         consumer.cache.check_hicache_events()  # SGLang's get_stats(): our refresh
     for tree in (producer, consumer):
-        tree.detach()
+        ok, message = tree.cache.detach_storage_backend()
+        assert ok, message
+        LIVE.remove(tree)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ def server_args(
     timeout_base_s: float | None = None,
     load_policy: str | None = None,
     chunked_prefill_size: int | None = None,
+    log_level: str | None = None,
 ) -> Any:
     """ServerArgs as ``--storage-backend file`` leaves them (flags.hicache_settings).
 
@@ -43,10 +44,16 @@ def server_args(
 
     options: dict[str, object] = {"root": str(root)}
     if faults is None:
-        flags = StorageFlags(backend="file", backend_options=options, load_policy=load_policy)
+        backend, backend_options = "file", options
     else:
-        faulty = {"inner": "file", "inner_options": options, "seed": 7, **faults}
-        flags = StorageFlags(backend="faulty", backend_options=faulty, load_policy=load_policy)
+        backend = "faulty"
+        backend_options = {"inner": "file", "inner_options": options, "seed": 7, **faults}
+    flags = StorageFlags(
+        backend=backend,
+        backend_options=backend_options,
+        load_policy=load_policy,
+        log_level=log_level,
+    )
     settings = hicache_settings(flags)
     extra = json.loads(str(settings.pop("hicache_storage_backend_extra_config")))
     extra["prefetch_threshold"] = PAGE
@@ -69,7 +76,9 @@ def server_args(
 class Tree:
     """One UnifiedRadixCache with HiCache, its device pool and allocator."""
 
-    def __init__(self, args: Any, device: str = "cpu", *, mla: bool = False) -> None:
+    def __init__(
+        self, args: Any, device: str = "cpu", *, mla: bool = False, enable_metrics: bool = False
+    ) -> None:
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import (
@@ -122,6 +131,7 @@ class Tree:
             page_size=PAGE,
             disable=False,
             tree_components=(ComponentType.FULL,),
+            enable_metrics=enable_metrics,
         )
         self.cache = UnifiedRadixCache(params=params)
         self.cache.init_hicache(args, params)
