@@ -1447,10 +1447,6 @@ def _native_module() -> ModuleType | None:
         return None
 
 
-def _native_reader() -> _ReadFiles | None:
-    return cast("_ReadFiles | None", getattr(_native_module(), "read_files", None))
-
-
 def _scan_files(path: str) -> tuple[list[str], list[int], list[int]]:
     """The regular files of directory ``path`` (no link), their sizes and 512-byte blocks."""
     names: list[str] = []
@@ -1470,10 +1466,11 @@ def _scan_files(path: str) -> tuple[list[str], list[int], list[int]]:
     return names, sizes, blocks
 
 
-_READ_FILES: Final = _native_reader()
+_FILEIO: Final = _native_module()
+_READ_FILES: Final = cast("_ReadFiles | None", getattr(_FILEIO, "read_files", None))
 _SCAN_FILES: Final = cast(
     "Callable[[bytes], tuple[list[str], list[int], list[int]]] | None",
-    getattr(_native_module(), "scan_files", None),
+    getattr(_FILEIO, "scan_files", None),
 )
 
 NATIVE_READS: Final = _READ_FILES is not None and _SCAN_FILES is not None
@@ -1491,7 +1488,8 @@ def _read_part(reads: Sequence[_Read]) -> None:
     The C reader takes cache-sized groups, each in one call without the GIL; without it
     (or without openat2) each read is made from Python.
     """
-    if _READ_FILES is None or not openat2_usable():
+    read_files = _READ_FILES
+    if read_files is None or not openat2_usable():
         for read in reads:
             _read_raw(read)
         return
@@ -1502,13 +1500,12 @@ def _read_part(reads: Sequence[_Read]) -> None:
         while end < len(reads) and nbytes + reads[end].request.nbytes <= _HOT_READ_BYTES:
             nbytes += reads[end].request.nbytes
             end += 1
-        _read_group(reads[start:end])
+        _read_group(read_files, reads[start:end])
         start = end
 
 
-def _read_group(reads: Sequence[_Read]) -> None:
-    assert _READ_FILES is not None
-    rows = _READ_FILES([(os.fsencode(read.path), read.views) for read in reads])
+def _read_group(read_files: _ReadFiles, reads: Sequence[_Read]) -> None:
+    rows = read_files([(os.fsencode(read.path), read.views) for read in reads])
     for read, (code, got, inode, error) in zip(reads, rows, strict=True):
         if code == _READ:
             read.inode, read.got = inode, got
