@@ -3,8 +3,9 @@
 ``pip install`` (``make setup``) builds them from pyproject.toml's ``ext-modules``; this
 script builds the same modules next to their sources where the package is used from the
 tree through ``PYTHONPATH`` (``ci/gpu_check.sh`` on a machine without network). It needs
-only setuptools, a C compiler and OpenSSL's headers, and builds each module on its own:
-one that fails is reported and skipped, and the package then runs its Python paths.
+only setuptools, a C compiler, OpenSSL's headers and xxhash.h, and builds each module on
+its own: one that fails is reported and skipped, and the package then runs its Python
+paths.
 
 Run: ``python ci/build_native.py`` (exit code 0 when every module was built, 1 otherwise).
 """

@@ -106,8 +106,8 @@ else
 fi
 
 # ------------------------------------------------------------------ C extensions
-# Best effort: where this machine has a compiler and OpenSSL's headers the C page keys and
-# file reads are built in place, else the Python paths run (same results, slower).
+# Best effort: where this machine has a compiler, OpenSSL's headers and xxhash.h the C page
+# keys and file reads are built in place, else the Python paths run (same results, slower).
 if timeout 120 "$PYTHON" ci/build_native.py >"$outdir/native.log" 2>&1; then
     echo "C extensions: built" | tee -a "$summary"
 else

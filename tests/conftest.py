@@ -86,7 +86,8 @@ def _missing_native() -> str | None:
         return None
     return (
         f"sglang_storage was installed without its C extension(s) {', '.join(missing)} "
-        "(in sglang_storage/storage/; they need gcc and OpenSSL's headers: `make setup`)"
+        "(in sglang_storage/storage/; they need gcc, OpenSSL's headers (libssl-dev) and "
+        "xxhash.h (libxxhash-dev): `make setup`)"
     )
 
 

@@ -1,24 +1,39 @@
-/* The file backend's hot system calls, in C, with the GIL released.
+/* The file backend's hot path, in C, with the GIL released.
  *
  * scan_files(path) lists the regular files of one directory (no link, no other kind)
  * with each one's size and allocated 512-byte blocks: the index rebuild's scan.
  *
- * read_files(items) takes a list of (path, buffers): an absolute path as bytes and a
- * list of writable buffers. For each it opens the path with openat2 (no symbolic link
- * anywhere on it, never blocking: a FIFO planted there must not hang the reader), reads
- * it into the buffers in order until they are full or the file ends, and closes it, with
- * the GIL released for the whole batch. It returns one (code, got, inode, error) tuple per
- * item, in order:
+ * read_objects(items) reads and verifies whole objects. Each item is a tuple (path,
+ * buffers, expected): an absolute path as bytes, a list or tuple of writable buffers for
+ * the payload, and the 512 bytes the object's header must hold, with its two checksum
+ * fields (bytes 12-15 and 24-31) zero. For each item it opens the path with openat2 (no
+ * symbolic link anywhere on it, never blocking: a FIFO planted there must not hang the
+ * reader), reads the header into its own buffer and the payload into the buffers (one
+ * byte more than the object should have goes to a scratch byte, so trailing bytes are
+ * seen), closes it, and, when exactly header + payload was read and the header is the
+ * expected one, takes the payload's xxh3-64 while those bytes are still in this core's
+ * cache and compares it with the header's. The GIL is released for the whole batch.
  *
- *   READ        0  a regular file; got bytes were read (inode is its inode number)
+ * It returns (codes, details): codes is a bytes object, one code per item; details maps
+ * the index of each item whose code is not VERIFIED to (got, inode, errno, header,
+ * digest), header being the bytes read into the header (up to 512) and digest the
+ * payload's checksum, or None when it was not taken (a header or size that is not the
+ * expected one). The codes:
+ *
+ *   READ        0  a regular file whose bytes are not the expected object: the caller
+ *                  says why (a header that differs, a size, a checksum mismatch)
  *   MISSING     1  no file (ENOENT)
  *   LINK        2  a symbolic link on the path (ELOOP, EXDEV or ENOTDIR)
  *   NOT_REGULAR 3  something other than a regular file; nothing was read
  *   FAILED      4  an open, stat or read failed with errno ``error``
  *   NO_OPENAT2  5  this kernel (or a seccomp filter) refuses openat2: the caller's
  *                  component-by-component open is needed; nothing was done
+ *   VERIFIED    6  the expected header and payload: the buffers hold the payload
  *
- * It is the same work as file.py's _read_raw, which stays for kernels without openat2.
+ * Buffers of an item that is not VERIFIED may hold some of the file's bytes: the caller
+ * clears them. It is the same work as file.py's _read_raw and _verify, which stay for
+ * kernels without openat2 and builds without this module. xxhash.h (libxxhash-dev) is
+ * compiled in, so the module needs no library at run time.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,13 +50,25 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+/* xxh3 compiled in (SSE2 or better, as the compiler targets): no library at run time. */
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #ifndef SYS_openat2
 #define SYS_openat2 437
 #endif
 #define RESOLVE_NO_SYMLINKS_ 0x04
 #define MAX_IOV 1024
 
-enum { READ = 0, MISSING = 1, LINK = 2, NOT_REGULAR = 3, FAILED = 4, NO_OPENAT2 = 5 };
+enum {
+    READ = 0,
+    MISSING = 1,
+    LINK = 2,
+    NOT_REGULAR = 3,
+    FAILED = 4,
+    NO_OPENAT2 = 5,
+    VERIFIED = 6
+};
 
 struct open_how_ {
     uint64_t flags;
@@ -49,14 +76,26 @@ struct open_how_ {
     uint64_t resolve;
 };
 
+#define HEADER_SIZE 512
+#define CRC_AT 12
+#define DIGEST_AT 24
+
 typedef struct {
     const char *path;
-    struct iovec *iov;
+    const unsigned char *expected; /* HEADER_SIZE bytes */
+    struct iovec *iov;             /* header, the payload's buffers, the scratch byte */
     Py_ssize_t count;
+    const struct iovec *payload;   /* the payload's buffers, as read_all does not move them */
+    Py_ssize_t buffers;
+    long long payload_bytes;       /* the payload's length */
     int code;
     int error;
     long long got;
     unsigned long long inode;
+    uint64_t digest;
+    int digested;                  /* whether digest was taken */
+    unsigned char header[HEADER_SIZE];
+    unsigned char trailer;
 } Item;
 
 /* Read into iov[0..count) from offset 0 until full, or until the file ends. */
@@ -94,6 +133,44 @@ static long long read_all(int fd, struct iovec *iov, Py_ssize_t count, int *erro
         }
     }
     return total;
+}
+
+/* Whether the header read is the expected one in every byte but the two checksums. */
+static int header_matches(const Item *item) {
+    const unsigned char *got = item->header, *want = item->expected;
+    return memcmp(got, want, CRC_AT) == 0 &&
+           memcmp(got + CRC_AT + 4, want + CRC_AT + 4, DIGEST_AT - CRC_AT - 4) == 0 &&
+           memcmp(got + DIGEST_AT + 8, want + DIGEST_AT + 8, HEADER_SIZE - DIGEST_AT - 8) == 0;
+}
+
+/* The payload's xxh3-64. */
+static uint64_t payload_digest(const Item *item) {
+    const struct iovec *payload = item->payload;
+    Py_ssize_t n = item->buffers;
+    if (n == 1) {
+        return XXH3_64bits(payload[0].iov_base, payload[0].iov_len);
+    }
+    XXH3_state_t state;
+    XXH3_INITSTATE(&state);
+    XXH3_64bits_reset(&state);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        XXH3_64bits_update(&state, payload[i].iov_base, payload[i].iov_len);
+    }
+    return XXH3_64bits_digest(&state);
+}
+
+static void verify(Item *item) {
+    if (item->got != HEADER_SIZE + item->payload_bytes || !header_matches(item)) {
+        return; /* READ: the caller says what differs */
+    }
+    uint64_t recorded;
+    memcpy(&recorded, item->header + DIGEST_AT, sizeof(recorded)); /* little-endian x86/arm */
+    uint64_t digest = payload_digest(item);
+    item->digest = digest;
+    item->digested = 1;
+    if (digest == recorded) {
+        item->code = VERIFIED;
+    }
 }
 
 static void read_one(Item *item) {
@@ -134,16 +211,71 @@ static void read_one(Item *item) {
             } else {
                 item->code = READ;
                 item->got = got;
+                verify(item);
             }
         }
     }
     close((int)fd);
 }
 
-static PyObject *read_files(PyObject *self, PyObject *items_arg) {
+/* The number of buffers in ``buffers`` (a list or tuple), or -1 with TypeError set. */
+static Py_ssize_t buffer_count(PyObject *buffers, Py_ssize_t i) {
+    if (PyList_CheckExact(buffers)) {
+        return PyList_GET_SIZE(buffers);
+    }
+    if (PyTuple_CheckExact(buffers)) {
+        return PyTuple_GET_SIZE(buffers);
+    }
+    PyErr_Format(PyExc_TypeError, "read_objects: item %zd's buffers must be a list or tuple", i);
+    return -1;
+}
+
+static PyObject *details_of(const Item *items, Py_ssize_t n, PyObject **codes_out) {
+    PyObject *codes = PyBytes_FromStringAndSize(NULL, n);
+    PyObject *details = PyDict_New();
+    if (codes == NULL || details == NULL) {
+        Py_XDECREF(codes);
+        Py_XDECREF(details);
+        return NULL;
+    }
+    char *code_bytes = PyBytes_AS_STRING(codes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Item *item = &items[i];
+        code_bytes[i] = (char)item->code;
+        if (item->code == VERIFIED) {
+            continue;
+        }
+        Py_ssize_t header_got = item->got < HEADER_SIZE ? (item->got < 0 ? 0 : item->got)
+                                                        : HEADER_SIZE;
+        PyObject *key = PyLong_FromSsize_t(i);
+        PyObject *digest = item->digested ? PyLong_FromUnsignedLongLong(item->digest) : Py_None;
+        if (!item->digested) {
+            Py_INCREF(Py_None);
+        }
+        PyObject *row = digest == NULL ? NULL
+                                       : Py_BuildValue("(LKiy#O)", item->got, item->inode,
+                                                       item->error, (const char *)item->header,
+                                                       header_got, digest);
+        Py_XDECREF(digest);
+        if (key == NULL || row == NULL || PyDict_SetItem(details, key, row) != 0) {
+            Py_XDECREF(key);
+            Py_XDECREF(row);
+            Py_DECREF(codes);
+            Py_DECREF(details);
+            return NULL;
+        }
+        Py_DECREF(key);
+        Py_DECREF(row);
+    }
+    *codes_out = codes;
+    return details;
+}
+
+static PyObject *read_objects(PyObject *self, PyObject *items_arg) {
     (void)self;
     if (!PyList_CheckExact(items_arg)) {
-        PyErr_SetString(PyExc_TypeError, "read_files: items must be a list of (path, buffers)");
+        PyErr_SetString(PyExc_TypeError,
+                        "read_objects: items must be a list of (path, buffers, expected)");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(items_arg);
@@ -152,49 +284,78 @@ static PyObject *read_files(PyObject *self, PyObject *items_arg) {
     PyObject *result = NULL;
     Py_buffer *views = NULL;
     Py_ssize_t held = 0;
-    struct iovec *iov = NULL;
+    struct iovec *iov = NULL, *pristine = NULL;
     if (items == NULL) {
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *entry = PyList_GET_ITEM(items_arg, i);
-        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2 ||
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 ||
             !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 0)) ||
-            !PyList_CheckExact(PyTuple_GET_ITEM(entry, 1))) {
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 2))) {
             PyErr_Format(PyExc_TypeError,
-                         "read_files: item %zd must be a tuple (bytes path, list of buffers)", i);
+                         "read_objects: item %zd must be a tuple (bytes path, buffers, bytes "
+                         "expected header)",
+                         i);
             goto done;
         }
-        views_total += PyList_GET_SIZE(PyTuple_GET_ITEM(entry, 1));
+        if (PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 2)) != HEADER_SIZE) {
+            PyErr_Format(PyExc_ValueError,
+                         "read_objects: item %zd's expected header is %zd bytes, not %d", i,
+                         PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 2)), HEADER_SIZE);
+            goto done;
+        }
+        Py_ssize_t count = buffer_count(PyTuple_GET_ITEM(entry, 1), i);
+        if (count < 0) {
+            goto done;
+        }
+        views_total += count + 2;
     }
     views = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(Py_buffer));
     iov = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(struct iovec));
-    if (views == NULL || iov == NULL) {
+    pristine = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(struct iovec));
+    if (views == NULL || iov == NULL || pristine == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    Py_ssize_t slot = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *entry = PyList_GET_ITEM(items_arg, i);
         PyObject *path = PyTuple_GET_ITEM(entry, 0);
         PyObject *buffers = PyTuple_GET_ITEM(entry, 1);
+        PyObject **buffer_items = PySequence_Fast_ITEMS(buffers);
+        Py_ssize_t count = PySequence_Fast_GET_SIZE(buffers);
+        Item *item = &items[i];
         if ((Py_ssize_t)strlen(PyBytes_AS_STRING(path)) != PyBytes_GET_SIZE(path)) {
-            PyErr_Format(PyExc_ValueError, "read_files: path %zd holds a NUL byte", i);
+            PyErr_Format(PyExc_ValueError, "read_objects: path %zd holds a NUL byte", i);
             goto done;
         }
-        items[i].path = PyBytes_AS_STRING(path);
-        items[i].iov = iov + held;
-        items[i].count = PyList_GET_SIZE(buffers);
-        for (Py_ssize_t j = 0; j < items[i].count; j++) {
-            if (PyObject_GetBuffer(PyList_GET_ITEM(buffers, j), &views[held],
+        item->path = PyBytes_AS_STRING(path);
+        item->expected = (const unsigned char *)PyBytes_AS_STRING(PyTuple_GET_ITEM(entry, 2));
+        item->iov = iov + slot;
+        item->count = count + 2;
+        item->payload = pristine + slot + 1;
+        item->buffers = count;
+        iov[slot].iov_base = item->header;
+        iov[slot].iov_len = HEADER_SIZE;
+        slot++;
+        for (Py_ssize_t j = 0; j < count; j++) {
+            if (PyObject_GetBuffer(buffer_items[j], &views[held],
                                    PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
                 goto done;
             }
-            iov[held].iov_base = views[held].buf;
-            iov[held].iov_len = (size_t)views[held].len;
+            iov[slot].iov_base = views[held].buf;
+            iov[slot].iov_len = (size_t)views[held].len;
+            item->payload_bytes += views[held].len;
             held++;
+            slot++;
         }
+        iov[slot].iov_base = &item->trailer;
+        iov[slot].iov_len = 1;
+        slot++;
     }
-    /* The items' paths stay alive: items_arg holds them, and the caller holds items_arg. */
+    memcpy(pristine, iov, (size_t)views_total * sizeof(struct iovec));
+    /* The items' paths and headers stay alive: items_arg holds them, the caller holds it. */
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         read_one(&items[i]);
@@ -206,18 +367,12 @@ static PyObject *read_files(PyObject *self, PyObject *items_arg) {
         }
     }
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    if (result == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *row = Py_BuildValue("(iLKi)", items[i].code, items[i].got, items[i].inode,
-                                      items[i].error);
-        if (row == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, row);
+    PyObject *codes = NULL;
+    PyObject *details = details_of(items, n, &codes);
+    if (details != NULL) {
+        result = PyTuple_Pack(2, codes, details);
+        Py_DECREF(codes);
+        Py_DECREF(details);
     }
 done:
     for (Py_ssize_t k = 0; k < held; k++) {
@@ -225,6 +380,7 @@ done:
     }
     PyMem_Free(views);
     PyMem_Free(iov);
+    PyMem_Free(pristine);
     PyMem_Free(items);
     return result;
 }
@@ -378,10 +534,11 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"read_files", read_files, METH_O,
-     "read_files(items) -> list[tuple[int, int, int, int]]: open (openat2, no links, "
-     "non-blocking), read and close each (path, buffers) item; (code, got, inode, errno) "
-     "per item."},
+    {"read_objects", read_objects, METH_O,
+     "read_objects(items) -> tuple[bytes, dict[int, tuple[int, int, int, bytes, int | None]]]: "
+     "open (openat2, no links, non-blocking), read, close and verify each (path, buffers, "
+     "expected header) item; a code per item, and (got, inode, errno, header, digest) of "
+     "each one not VERIFIED."},
     {"scan_files", scan_files, METH_O,
      "scan_files(path) -> tuple[list[str], list[int], list[int]]: the regular files of "
      "directory path (no link followed), with each one's size and 512-byte blocks."},
@@ -389,7 +546,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fileio", "The file backend's hot system calls, in C.", -1,
+    PyModuleDef_HEAD_INIT, "_fileio", "The file backend's hot path (reads, verification, scans), in C.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 
@@ -403,7 +560,9 @@ PyMODINIT_FUNC PyInit__fileio(void) {
         PyModule_AddIntConstant(m, "LINK", LINK) < 0 ||
         PyModule_AddIntConstant(m, "NOT_REGULAR", NOT_REGULAR) < 0 ||
         PyModule_AddIntConstant(m, "FAILED", FAILED) < 0 ||
-        PyModule_AddIntConstant(m, "NO_OPENAT2", NO_OPENAT2) < 0) {
+        PyModule_AddIntConstant(m, "NO_OPENAT2", NO_OPENAT2) < 0 ||
+        PyModule_AddIntConstant(m, "VERIFIED", VERIFIED) < 0 ||
+        PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

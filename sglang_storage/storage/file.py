@@ -635,22 +635,59 @@ class FileBackend:
     def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
         """Read and verify each requested object straight into its buffers."""
         self._check_open()
+        read_objects = _READ_OBJECTS
+        if read_objects is not None and openat2_usable():
+            results = self._get_native(read_objects, requests)
+        else:
+            results = self._get_python(requests)
+        self._stats.record_gets(results)
+        return results
+
+    def _get_native(
+        self, read_objects: _ReadObjects, requests: Sequence[GetRequest]
+    ) -> list[GetResult]:
+        # The I/O threads open, read, verify (header and xxh3, each payload while it is in
+        # the core's cache) and close in C without the GIL; this thread builds the hits,
+        # and says why of anything else (_finish, as for the Python reader).
+        items: list[_Item] = []
+        path, fsencode = self._path, os.fsencode
+        namespace, spec, template = None, None, None
+        for request in requests:
+            key = request.key
+            if key.namespace is not namespace or request.spec is not spec:
+                namespace, spec = key.namespace, request.spec
+                template = header_template(namespace, spec)
+            assert template is not None
+            items.append((fsencode(path(key)), request.buffers, template.expected(key.name)))
+        results: list[GetResult] = []
+        touch, slot, hit = self._index.touch, self._slot, GetResult.hit_of
+        start = 0
+        for codes, details in self._threads.map_parts(read_objects, items):
+            for index, code in enumerate(codes):
+                request = requests[start + index]
+                if code == _VERIFIED:
+                    touch(slot(request.key), HEADER_SIZE + request.nbytes)
+                    results.append(hit(request))
+                else:
+                    read = _Read(self._path(request.key), request)
+                    read.take(code, details[index])
+                    results.append(self._finish(read))
+            start += len(codes)
+        return results
+
+    def _get_python(self, requests: Sequence[GetRequest]) -> list[GetResult]:
         # Two phases: the I/O threads only open, read, hash and close (almost all of it
         # without the GIL, so they overlap); this thread then checks every header and
         # builds the results.
         reads = [_Read(self._path(r.key), r) for r in requests]
-        if _READ_FILES is None and sum(r.nbytes for r in requests) < SPREAD_READ_BYTES * len(
-            requests
-        ):
-            # Small objects read from Python: handing the GIL back and forth between
+        if sum(r.nbytes for r in requests) < SPREAD_READ_BYTES * len(requests):
+            # Small objects on this thread: handing the GIL back and forth between
             # threads costs more than their overlap saves (64 KiB pages read faster on
-            # one). The C reader holds no GIL for a whole part, so it always spreads.
+            # one).
             _read_part(reads)
         else:
-            self._threads.each_part(_read_part, reads)
-        results = [self._finish(read) for read in reads]
-        self._stats.record_gets(results)
-        return results
+            self._threads.map_parts(_read_part, reads)
+        return [self._finish(read) for read in reads]
 
     def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
         """Write each request's buffers as a whole file; existing keys are kept."""
@@ -1435,8 +1472,27 @@ class _Read:
         self.link = False
         """A symbolic link is on the path: nothing was read through it."""
 
+    def take(self, code: int, row: _Row) -> None:
+        """What the C reader found (any outcome but verified); reads it here if it could not."""
+        got, inode, error, header, digest = row
+        if code == _READ:
+            self.inode, self.got, self.digest = inode, got, digest
+            self.header[: len(header)] = header
+        elif code == _LINK:
+            self.link = True
+        elif code == _NOT_REGULAR:
+            self.inode, self.got, self.not_regular = inode, 0, True
+        elif code == _FAILED:
+            self.error = OSError(error, f"{os.strerror(error)}: {self.path!r}")
+        elif code != _MISSING:  # openat2 refused here: the open component by component
+            _read_raw(self)
 
-_ReadFiles = Callable[[list[tuple[bytes, list[memoryview]]]], list[tuple[int, int, int, int]]]
+
+_Item = tuple[bytes, tuple[memoryview, ...], bytes]
+"""What the C reader takes per object: its path, the payload's buffers, the expected header."""
+_Row = tuple[int, int, int, bytes, int | None]
+"""What the C reader says of an object that did not verify: got, inode, errno, header, digest."""
+_ReadObjects = Callable[[list[_Item]], tuple[bytes, dict[int, _Row]]]
 
 
 def _native_module() -> ModuleType | None:
@@ -1467,60 +1523,22 @@ def _scan_files(path: str) -> tuple[list[str], list[int], list[int]]:
 
 
 _FILEIO: Final = _native_module()
-_READ_FILES: Final = cast("_ReadFiles | None", getattr(_FILEIO, "read_files", None))
+_READ_OBJECTS: Final = cast("_ReadObjects | None", getattr(_FILEIO, "read_objects", None))
 _SCAN_FILES: Final = cast(
     "Callable[[bytes], tuple[list[str], list[int], list[int]]] | None",
     getattr(_FILEIO, "scan_files", None),
 )
 
-NATIVE_READS: Final = _READ_FILES is not None and _SCAN_FILES is not None
-"""Whether reads and index scans run in C here (else from Python, call by call)."""
-_HOT_READ_BYTES: Final = 256 << 10
-"""Payload bytes read in one C call before their checksums are taken (about half of one
-core's L2 cache here, so the checksum reads cached bytes)."""
+NATIVE_READS: Final = _READ_OBJECTS is not None and _SCAN_FILES is not None
+"""Whether reads (with their verification) and index scans run in C here (else from
+Python, call by call)."""
 # _fileio's outcome codes.
-_READ, _MISSING, _LINK, _NOT_REGULAR, _FAILED = range(5)
+_READ, _MISSING, _LINK, _NOT_REGULAR, _FAILED, _NO_OPENAT2, _VERIFIED = range(7)
 
 
 def _read_part(reads: Sequence[_Read]) -> None:
-    """:func:`_read_raw` of every read, by the C reader where it is built.
-
-    The C reader takes cache-sized groups, each in one call without the GIL; without it
-    (or without openat2) each read is made from Python.
-    """
-    read_files = _READ_FILES
-    if read_files is None or not openat2_usable():
-        for read in reads:
-            _read_raw(read)
-        return
-    start = 0
-    while start < len(reads):
-        # A group small enough to stay in this core's cache until its checksums are taken.
-        end, nbytes = start + 1, reads[start].request.nbytes
-        while end < len(reads) and nbytes + reads[end].request.nbytes <= _HOT_READ_BYTES:
-            nbytes += reads[end].request.nbytes
-            end += 1
-        _read_group(read_files, reads[start:end])
-        start = end
-
-
-def _read_group(read_files: _ReadFiles, reads: Sequence[_Read]) -> None:
-    rows = read_files([(os.fsencode(read.path), read.views) for read in reads])
-    for read, (code, got, inode, error) in zip(reads, rows, strict=True):
-        if code == _READ:
-            read.inode, read.got = inode, got
-            if got == HEADER_SIZE + read.request.nbytes:
-                read.digest = checksum(read.request.buffers)
-        elif code == _MISSING:
-            pass
-        elif code == _LINK:
-            read.link = True
-        elif code == _NOT_REGULAR:
-            read.inode, read.got, read.not_regular = inode, 0, True
-        elif code == _FAILED:
-            read.error = OSError(error, f"{os.strerror(error)}: {read.path!r}")
-        else:  # openat2 refused here: the open component by component
-            _read_raw(read)
+    for read in reads:
+        _read_raw(read)
 
 
 def _read_raw(read: _Read) -> None:

@@ -165,6 +165,19 @@ class HeaderTemplate:
         header[_CRC_OFFSET : _CRC_OFFSET + 4] = xxhash.xxh32_intdigest(header).to_bytes(4, "little")
         return bytes(header)
 
+    def expected(self, name: str) -> bytes:
+        """The header the object called ``name`` must have, with both checksum fields zero.
+
+        Every byte of a stored header but the two checksums must equal this one's (the
+        header checksum adds nothing then; the payload checksum is checked against the
+        payload). Names that do not fit give a header no stored object has.
+        """
+        raw = name.encode()
+        header = b"".join((self._fixed, self._before, bytes([len(raw) & 0xFF]), raw, self._after))
+        if len(header) > HEADER_SIZE or len(raw) > 255:
+            return _ZEROS
+        return header + _ZEROS[len(header) :]
+
     def expected_checksum(self, raw: bytes | bytearray | memoryview, name: str) -> int | None:
         """The payload checksum ``raw`` records, if ``raw`` is exactly the header for ``name``.
 

@@ -144,17 +144,18 @@ class IOThreads:
             results.extend(_run_all(work, part))
         return results
 
-    def each_part(self, work: Callable[[Sequence[T]], object], items: Sequence[T]) -> None:
-        """``work`` of each contiguous part of ``items``, one part per thread.
+    def map_parts(self, work: Callable[[list[T]], R], items: Sequence[T]) -> list[R]:
+        """What ``work`` returns for each contiguous part of ``items``, in the parts' order.
+
+        One part (a list) per thread.
 
         Raises:
             BackendUnavailableError: the threads were closed.
         """
         if self._threads == 1 or len(items) < 2:
-            work(items)
-            return
+            return [work(list(items))]
         chunk = -(-len(items) // self._threads)
-        self.spread(work, [items[i : i + chunk] for i in range(0, len(items), chunk)])
+        return self.spread(work, [list(items[i : i + chunk]) for i in range(0, len(items), chunk)])
 
     def close(self) -> None:
         """Stop the pool after the work in flight; later batches raise."""

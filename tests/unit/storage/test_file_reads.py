@@ -1,9 +1,9 @@
 """The ``file`` backend's read path, on both of its readers.
 
-Every test runs twice (``file_reader``): on the C calls (``_fileio.c``: openat2, preadv
-and close for a whole part without the GIL; the index rebuild's directory scan) and on
-the Python code they stand in for (``_read_raw``, also what a kernel without openat2
-gets, and ``_scan_files``). Each outcome a read can
+Every test runs twice (``file_reader``): on the C calls (``_fileio.c``: openat2, preadv,
+close and the header and xxh3 checks for a whole part without the GIL; the index
+rebuild's directory scan) and on the Python code they stand in for (``_read_raw`` and
+``_verify``, also what a kernel without openat2 gets, and ``_scan_files``). Each outcome a read can
 have is made with real files: a hit into many buffers, no file, a link at the object's
 place or on its way, a FIFO, a directory, a truncated file, trailing bytes, a payload
 bit flip, and a batch mixing them.
@@ -38,7 +38,7 @@ def file_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     if request.param == "native":
         component_or_skip("native")
     else:
-        monkeypatch.setattr(file_module, "_READ_FILES", None)
+        monkeypatch.setattr(file_module, "_READ_OBJECTS", None)
         monkeypatch.setattr(file_module, "_SCAN_FILES", None)
     return str(request.param)
 
@@ -139,6 +139,9 @@ def test_a_directory_at_the_object_is_not_a_hit(backend: FileBackend) -> None:
         ("truncate", "truncated"),
         ("append", "bytes after its payload"),
         ("flip", "checksum mismatch"),
+        ("magic", "not an sglang-storage object"),
+        ("name", "header checksum mismatch"),
+        ("recorded", "payload checksum mismatch"),
     ],
 )
 def test_damaged_objects_are_corrupt_and_zeroed(
@@ -151,8 +154,14 @@ def test_damaged_objects_are_corrupt_and_zeroed(
         raw = raw[: HEADER_SIZE + SIZE // 2]
     elif damage == "append":
         raw += b"x"
-    else:
+    elif damage == "flip":
         raw[HEADER_SIZE + 7] ^= 0x10
+    elif damage == "magic":
+        raw[0] ^= 0x01
+    elif damage == "name":  # a byte of the names, past the fixed fields
+        raw[raw.index(k.name.encode())] ^= 0x01
+    else:  # the payload checksum the header records
+        raw[24] ^= 0x01
     path.write_bytes(bytes(raw))
     result, got = get_bytes(backend, k, ObjectSpec.raw(SIZE))
     assert result.outcome is GetOutcome.CORRUPT
@@ -199,8 +208,12 @@ def test_where_openat2_is_refused_the_part_is_read_from_python(
     component_or_skip("native")
     with FileBackend(FileBackendConfig(root=tmp_path / "store")) as backend:
         k, data = stored(backend, "fallback")
-        refused = [(5, 0, 0, 0)]
-        monkeypatch.setattr(file_module, "_READ_FILES", lambda items: refused * len(items))
+        refused = (0, 0, 0, b"", None)
+        monkeypatch.setattr(
+            file_module,
+            "_READ_OBJECTS",
+            lambda items: (bytes([5] * len(items)), dict.fromkeys(range(len(items)), refused)),
+        )
         result, got = get_bytes(backend, k, ObjectSpec.raw(SIZE))
     assert result.outcome is GetOutcome.HIT
     assert got == data
