@@ -24,7 +24,7 @@ import functools
 import math
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NoReturn, TypeVar
 
 import attrs
 
@@ -353,64 +353,85 @@ def as_byte_view(buffer: object, *, writable: bool = False, owner: str = "buffer
     return view
 
 
-_NOT_BUFFERS: Final = object()
-"""What :func:`_buffer_tuple` leaves for the request to reject (it has no owner name)."""
-
-
-def _buffer_tuple(value: Iterable[object]) -> tuple[memoryview, ...]:
-    """Any iterable of buffers as a tuple; each is checked and viewed as bytes afterwards.
-
-    A single buffer (iterating it would give ints) or a non-iterable is left for
-    :func:`_check_buffers` to reject with the request's name.
-    """
-    if isinstance(value, (tuple, list)):
-        return tuple(value)
-    if isinstance(value, (bytes, bytearray, memoryview, str)):
-        return (_NOT_BUFFERS, value)  # type: ignore[return-value]
-    try:
-        return tuple(value)  # type: ignore[arg-type]
-    except TypeError:
-        return (_NOT_BUFFERS, value)  # type: ignore[return-value]
-
-
-def _check_buffers(instance: Any, *, writable: bool) -> None:
-    owner = type(instance).__name__
-    if instance.buffers and instance.buffers[0] is _NOT_BUFFERS:
-        given = instance.buffers[1]
+def _byte_views(owner: str, buffers: object, *, writable: bool) -> tuple[memoryview, ...]:
+    """``buffers`` (a sequence of bytes-like objects) as flat byte views, each checked."""
+    if type(buffers) is tuple or type(buffers) is list:
+        items: Sequence[object] = buffers
+    elif isinstance(buffers, (bytes, bytearray, memoryview, str)) or not isinstance(
+        buffers, Iterable
+    ):
         raise ConfigError(
             owner=owner,
             field="buffers",
-            value=type(given).__name__,
+            value=type(buffers).__name__,
             reason="must be a sequence of buffers, not a single buffer or a non-sequence",
             allowed="a list or tuple of bytes-like objects, e.g. [bytearray(n)]",
         )
-    views = tuple(as_byte_view(b, writable=writable, owner=owner) for b in instance.buffers)
-    object.__setattr__(instance, "buffers", views)
-    total = sum(v.nbytes for v in views)
-    if total != instance.spec.nbytes:
+    else:
+        items = tuple(buffers)
+    views: list[memoryview] = []
+    for buffer in items:
+        # The common case inline (a flat, writable-enough memoryview of bytes): this runs
+        # for every page of every request.
+        if (
+            type(buffer) is memoryview
+            and buffer.format == "B"
+            and buffer.ndim == 1
+            and buffer.c_contiguous
+            and not (writable and buffer.readonly)
+        ):
+            views.append(buffer)
+        else:
+            views.append(as_byte_view(buffer, writable=writable, owner=owner))
+    return tuple(views)
+
+
+def _init_request(
+    instance: GetRequest | PutRequest, key: object, spec: object, buffers: object
+) -> None:
+    """Validate and set a request's fields (attrs' generated ``__init__``, made cheaper)."""
+    cls = type(instance)
+    if not isinstance(key, ObjectKey) or not isinstance(spec, ObjectSpec):
+        _reject_fields(instance, key, spec)
+    views = _byte_views(cls.__name__, buffers, writable=cls is GetRequest)
+    total = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)
+    if total != spec.nbytes:
         raise ConfigError(
-            owner=owner,
+            owner=cls.__name__,
             field="buffers",
             value=total,
-            reason=f"hold {total} bytes in all, but {instance.key} is {instance.spec.nbytes} bytes",
-            allowed=f"buffers totalling exactly {instance.spec.nbytes} bytes",
+            reason=f"hold {total} bytes in all, but {key} is {spec.nbytes} bytes",
+            allowed=f"buffers totalling exactly {spec.nbytes} bytes",
         )
+    setattr = object.__setattr__
+    setattr(instance, "key", key)
+    setattr(instance, "spec", spec)
+    setattr(instance, "buffers", views)
 
 
-@attrs.frozen(kw_only=True, eq=False)
+def _reject_fields(instance: GetRequest | PutRequest, key: object, spec: object) -> NoReturn:
+    """Raise the fields' validators' error for a request given a wrong key or spec."""
+    fields = attrs.fields(type(instance))
+    fields.key.validator(instance, fields.key, key)
+    fields.spec.validator(instance, fields.spec, spec)
+    raise AssertionError("unreachable: a validator rejects the key or the spec")
+
+
+@attrs.frozen(kw_only=True, eq=False, init=False)
 class GetRequest:
     """Read ``key`` into ``buffers``, which together must be exactly ``spec.nbytes`` long.
 
     The payload fills the buffers in order. ``spec`` is what the caller expects; an object
     stored under another spec is reported corrupt and its bytes are not delivered.
+    ``buffers`` is a list or tuple of writable, C-contiguous bytes-like objects.
     """
 
     key: ObjectKey = attrs.field(validator=instance_of(ObjectKey))
     spec: ObjectSpec = attrs.field(validator=instance_of(ObjectSpec))
-    buffers: tuple[memoryview, ...] = attrs.field(converter=_buffer_tuple)
+    buffers: tuple[memoryview, ...]
 
-    def __attrs_post_init__(self) -> None:
-        _check_buffers(self, writable=True)
+    def __init__(self, *, key: ObjectKey, spec: ObjectSpec, buffers: Iterable[object]) -> None:
+        _init_request(self, key, spec, buffers)
 
     @property
     def nbytes(self) -> int:
@@ -418,16 +439,19 @@ class GetRequest:
         return self.spec.nbytes
 
 
-@attrs.frozen(kw_only=True, eq=False)
+@attrs.frozen(kw_only=True, eq=False, init=False)
 class PutRequest:
-    """Store the concatenation of ``buffers`` as ``key``, described by ``spec``."""
+    """Store the concatenation of ``buffers`` as ``key``, described by ``spec``.
+
+    ``buffers`` is a list or tuple of C-contiguous bytes-like objects.
+    """
 
     key: ObjectKey = attrs.field(validator=instance_of(ObjectKey))
     spec: ObjectSpec = attrs.field(validator=instance_of(ObjectSpec))
-    buffers: tuple[memoryview, ...] = attrs.field(converter=_buffer_tuple)
+    buffers: tuple[memoryview, ...]
 
-    def __attrs_post_init__(self) -> None:
-        _check_buffers(self, writable=False)
+    def __init__(self, *, key: ObjectKey, spec: ObjectSpec, buffers: Iterable[object]) -> None:
+        _init_request(self, key, spec, buffers)
 
     @property
     def nbytes(self) -> int:
