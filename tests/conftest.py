@@ -79,7 +79,7 @@ def _missing_native() -> str | None:
 
     missing = [
         source
-        for source, built in (("_pagehash.c", keys.NATIVE), ("_fileio.c", file.NATIVE_READS))
+        for source, built in (("_pagehash.c", keys.NATIVE), ("_fileio.c", file.NATIVE_IO))
         if not built
     ]
     if not missing:

@@ -1,4 +1,4 @@
-/* The file backend's hot path, in C, with the GIL released.
+/* The file backend's hot paths, in C, with the GIL released.
  *
  * scan_files(path) lists the regular files of one directory (no link, no other kind)
  * with each one's size and allocated 512-byte blocks: the index rebuild's scan.
@@ -33,6 +33,19 @@
  *                  component-by-component open is needed; nothing was done
  *   VERIFIED    6  the expected header and payload: the buffers hold the payload
  *
+ * write_objects(items, (file_mode, exact, dir_mode, dir_exact), sync) writes whole objects.
+ * Each item is a tuple (directory, name, temporary path, buffers, expected): the object's
+ * directory, its file name, a fresh temporary path and the 512-byte expected header as
+ * above. For each, with the GIL released for the whole batch, it opens the directory (no
+ * link on its path; a missing last component, a fan directory, is made), checks nothing
+ * is at the name yet, fills the header's two checksums, creates the temporary file
+ * exclusively (no link followed), locks it while it is written (what tells a cleanup it
+ * is live), writes header and payload, fsyncs it when sync, and renames it into place.
+ * It returns bytes, one code per item: STORED (0), or RETRY (1) for anything else (a file
+ * or anything already at the name, a missing namespace directory, any error; a temporary
+ * file is then removed), which the caller does again on its own path, the same work as
+ * file.py's _put, which says what happened.
+ *
  * Buffers of an item that is not VERIFIED may hold some of the file's bytes: the caller
  * clears them. It is the same work as file.py's _read_raw and _verify, which stay for
  * kernels without openat2 and builds without this module. xxhash.h (libxxhash-dev) is
@@ -48,6 +61,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -457,6 +471,252 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ writes */
+
+enum { STORED = 0, RETRY = 1 };
+
+typedef struct {
+    const char *dir;
+    const char *name;
+    const char *tmp;
+    struct iovec *iov; /* header, then the payload's buffers */
+    Py_ssize_t count;
+    unsigned char header[HEADER_SIZE];
+    int code;
+} Write;
+
+/* Write iov[0..count) whole (writev writes less only when interrupted or out of room). */
+static int write_all(int fd, struct iovec *iov, Py_ssize_t count) {
+    Py_ssize_t first = 0;
+    while (first < count) {
+        int batch = (int)(count - first < MAX_IOV ? count - first : MAX_IOV);
+        ssize_t put = writev(fd, iov + first, batch);
+        if (put < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return -1;
+        }
+        size_t left = (size_t)put;
+        while (first < count && left >= iov[first].iov_len) {
+            left -= iov[first].iov_len;
+            first++;
+        }
+        if (left > 0) {
+            iov[first].iov_base = (char *)iov[first].iov_base + left;
+            iov[first].iov_len -= left;
+        }
+    }
+    return 0;
+}
+
+static long open_no_links(const char *path, uint64_t flags, uint64_t mode) {
+    struct open_how_ how = {flags | O_CLOEXEC, mode, RESOLVE_NO_SYMLINKS_};
+    long fd;
+    do {
+        fd = syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof(how));
+    } while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+/* The object's directory, made if only its last component is missing (a fan directory
+ * under an existing namespace: ``dir_mode``, exactly when ``dir_exact``); -1 if it is
+ * not there or cannot be opened or made. */
+static long open_dir(const char *dir, int dir_mode, int dir_exact) {
+    long fd = open_no_links(dir, O_RDONLY | O_DIRECTORY, 0);
+    if (fd >= 0 || errno != ENOENT) {
+        return fd;
+    }
+    const char *slash = strrchr(dir, '/');
+    char parent[PATH_MAX];
+    size_t length = slash == NULL ? 0 : (size_t)(slash - dir);
+    if (length == 0 || length >= sizeof(parent)) {
+        return -1;
+    }
+    memcpy(parent, dir, length);
+    parent[length] = '\0';
+    long parent_fd = open_no_links(parent, O_RDONLY | O_DIRECTORY, 0);
+    if (parent_fd < 0) {
+        return -1;
+    }
+    int created = mkdirat((int)parent_fd, slash + 1, (mode_t)dir_mode) == 0;
+    if (!created && errno != EEXIST) {
+        close((int)parent_fd);
+        return -1;
+    }
+    fd = openat((int)parent_fd, slash + 1, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    close((int)parent_fd);
+    if (fd >= 0 && created && dir_exact && fchmod((int)fd, (mode_t)dir_mode) != 0) {
+        close((int)fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* The header (the expected one with its checksums filled in), then the object written to
+ * its temporary file (locked while it is written), fsync'ed if asked, and renamed into
+ * place. Anything unusual (no directory, a file already there, any error) is RETRY:
+ * the caller's own path then does that object and says what happened. */
+static void write_one(Write *item, const int *modes, int sync) {
+    int mode = modes[0], exact = modes[1];
+    long dir_fd = open_dir(item->dir, modes[2], modes[3]);
+    if (dir_fd < 0) {
+        return;
+    }
+    struct stat status;
+    if (fstatat((int)dir_fd, item->name, &status, AT_SYMLINK_NOFOLLOW) == 0 || errno != ENOENT) {
+        close((int)dir_fd); /* something is there: the caller checks what */
+        return;
+    }
+    uint64_t digest;
+    if (item->count == 2) {
+        digest = XXH3_64bits(item->iov[1].iov_base, item->iov[1].iov_len);
+    } else {
+        XXH3_state_t state;
+        XXH3_INITSTATE(&state);
+        XXH3_64bits_reset(&state);
+        for (Py_ssize_t i = 1; i < item->count; i++) {
+            XXH3_64bits_update(&state, item->iov[i].iov_base, item->iov[i].iov_len);
+        }
+        digest = XXH3_64bits_digest(&state);
+    }
+    memcpy(item->header + DIGEST_AT, &digest, sizeof(digest)); /* little-endian */
+    uint32_t crc = XXH32(item->header, HEADER_SIZE, 0);
+    memcpy(item->header + CRC_AT, &crc, sizeof(crc));
+    long fd = open_no_links(item->tmp, O_WRONLY | O_CREAT | O_EXCL, (uint64_t)mode);
+    if (fd < 0) {
+        close((int)dir_fd);
+        return;
+    }
+    int ok = 1;
+    /* Locked from its creation until it has its final name: the lock says it is live
+     * (a filesystem without locks has none to take). A checker that opened it between
+     * the create and the lock has removed it. */
+    if (flock((int)fd, LOCK_EX | LOCK_NB) != 0 && errno != EOPNOTSUPP && errno != ENOLCK &&
+        errno != EINVAL && errno != ENOSYS) {
+        ok = 0;
+    }
+    if (ok && (fstat((int)fd, &status) != 0 || status.st_nlink == 0)) {
+        ok = 0;
+    }
+    ok = ok && (!exact || fchmod((int)fd, (mode_t)mode) == 0);
+    ok = ok && write_all((int)fd, item->iov, item->count) == 0;
+    ok = ok && (!sync || fsync((int)fd) == 0);
+    ok = ok && renameat(AT_FDCWD, item->tmp, (int)dir_fd, item->name) == 0;
+    if (!ok) {
+        unlink(item->tmp);
+    }
+    close((int)fd);
+    close((int)dir_fd);
+    if (ok) {
+        item->code = STORED;
+    }
+}
+
+static PyObject *write_objects(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *items_arg;
+    int modes[4], sync; /* file mode, exact, directory mode, exact */
+    if (!PyArg_ParseTuple(args, "O!(ipip)p:write_objects", &PyList_Type, &items_arg, &modes[0],
+                          &modes[1], &modes[2], &modes[3], &sync)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(items_arg);
+    Write *items = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Write));
+    Py_ssize_t views_total = 0, held = 0;
+    Py_buffer *views = NULL;
+    struct iovec *iov = NULL;
+    PyObject *result = NULL;
+    if (items == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyList_GET_ITEM(items_arg, i);
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 0)) ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 1)) ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 2)) ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 4))) {
+            PyErr_Format(PyExc_TypeError,
+                         "write_objects: item %zd must be a tuple (bytes directory, bytes name, "
+                         "bytes temporary path, buffers, bytes expected header)",
+                         i);
+            goto done;
+        }
+        for (int k = 0; k < 3; k++) {
+            PyObject *text = PyTuple_GET_ITEM(entry, k);
+            if ((Py_ssize_t)strlen(PyBytes_AS_STRING(text)) != PyBytes_GET_SIZE(text)) {
+                PyErr_Format(PyExc_ValueError, "write_objects: item %zd holds a NUL byte", i);
+                goto done;
+            }
+        }
+        if (PyBytes_GET_SIZE(PyTuple_GET_ITEM(entry, 4)) != HEADER_SIZE) {
+            PyErr_Format(PyExc_ValueError, "write_objects: item %zd's header is not %d bytes", i,
+                         HEADER_SIZE);
+            goto done;
+        }
+        Py_ssize_t count = buffer_count(PyTuple_GET_ITEM(entry, 3), i);
+        if (count < 0) {
+            goto done;
+        }
+        views_total += count + 1;
+    }
+    views = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(Py_buffer));
+    iov = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(struct iovec));
+    if (views == NULL || iov == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t slot = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyList_GET_ITEM(items_arg, i);
+        PyObject *buffers = PyTuple_GET_ITEM(entry, 3);
+        PyObject **buffer_items = PySequence_Fast_ITEMS(buffers);
+        Py_ssize_t count = PySequence_Fast_GET_SIZE(buffers);
+        Write *item = &items[i];
+        item->dir = PyBytes_AS_STRING(PyTuple_GET_ITEM(entry, 0));
+        item->name = PyBytes_AS_STRING(PyTuple_GET_ITEM(entry, 1));
+        item->tmp = PyBytes_AS_STRING(PyTuple_GET_ITEM(entry, 2));
+        memcpy(item->header, PyBytes_AS_STRING(PyTuple_GET_ITEM(entry, 4)), HEADER_SIZE);
+        item->code = RETRY;
+        item->iov = iov + slot;
+        item->count = count + 1;
+        iov[slot].iov_base = item->header;
+        iov[slot].iov_len = HEADER_SIZE;
+        slot++;
+        for (Py_ssize_t j = 0; j < count; j++) {
+            if (PyObject_GetBuffer(buffer_items[j], &views[held], PyBUF_C_CONTIGUOUS) != 0) {
+                goto done;
+            }
+            iov[slot].iov_base = views[held].buf;
+            iov[slot].iov_len = (size_t)views[held].len;
+            held++;
+            slot++;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        write_one(&items[i], modes, sync);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyBytes_FromStringAndSize(NULL, n);
+    if (result != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyBytes_AS_STRING(result)[i] = (char)items[i].code;
+        }
+    }
+done:
+    for (Py_ssize_t k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    PyMem_Free(views);
+    PyMem_Free(iov);
+    PyMem_Free(items);
+    return result;
+}
+
+/* ------------------------------------------------------------------ scans */
+
 typedef struct {
     char *names;          /* every name, each NUL-terminated, back to back */
     size_t names_used, names_size;
@@ -611,6 +871,12 @@ static PyMethodDef methods[] = {
      "open (openat2, no links, non-blocking), read, close and verify each (path, buffers, "
      "expected header) item; a code per item, and (got, inode, errno, header, digest) of "
      "each one not VERIFIED."},
+    {"write_objects", write_objects, METH_VARARGS,
+     "write_objects(items, (file_mode, exact, dir_mode, dir_exact), sync) -> bytes: write "
+     "each (directory, name, temporary path, buffers, expected header) item as a whole "
+     "object through its locked temporary file (fsync'ed when sync), renamed into place, "
+     "making a missing last directory; a code per item, STORED or RETRY (anything "
+     "unusual: the caller's own path does it)."},
     {"scan_files", scan_files, METH_O,
      "scan_files(path) -> tuple[list[str], list[int], list[int]]: the regular files of "
      "directory path (no link followed), with each one's size and 512-byte blocks."},
@@ -634,6 +900,8 @@ PyMODINIT_FUNC PyInit__fileio(void) {
         PyModule_AddIntConstant(m, "FAILED", FAILED) < 0 ||
         PyModule_AddIntConstant(m, "NO_OPENAT2", NO_OPENAT2) < 0 ||
         PyModule_AddIntConstant(m, "VERIFIED", VERIFIED) < 0 ||
+        PyModule_AddIntConstant(m, "STORED", STORED) < 0 ||
+        PyModule_AddIntConstant(m, "RETRY", RETRY) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0) {
         Py_DECREF(m);
         return NULL;

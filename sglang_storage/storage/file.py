@@ -692,9 +692,90 @@ class FileBackend:
     def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
         """Write each request's buffers as a whole file; existing keys are kept."""
         self._check_writable("put_from")
-        results = self._threads.spread(self._put, requests)
+        write_objects = _WRITE_OBJECTS
+        if (
+            write_objects is not None
+            and self._config.durability is not Durability.FULL
+            and openat2_usable()
+        ):
+            results = self._put_native(write_objects, requests)
+        else:
+            results = self._threads.spread(self._put, requests)
         self._stats.record_puts(results)
         return results
+
+    def _put_native(
+        self, write_objects: _WriteObjects, requests: Sequence[PutRequest]
+    ) -> list[PutResult]:
+        # Room is reserved here (evicting as a put does); the I/O threads then hash, write
+        # and rename in C without the GIL, each object through its locked temporary file
+        # as _write does. _put does the rest, and says what happened: a key this process
+        # knows is stored (or, under a cap, that has anything at its place: no room is
+        # made for a PRESENT put), what C did not store (a file at the key's place, no
+        # directory yet, an error), and the requests from the first one the cap has no
+        # room for while the others are in flight (one by one, they may evict what this
+        # batch stored).
+        items: list[_WriteItem] = []
+        native: list[int] = []  # the positions of the requests in items, and of the rest
+        rest: list[int] = []
+        fsencode, prefix, names = os.fsencode, self._objects_prefix, self._temp_names
+        tmp_dir, slot, indexed = self._tmp_prefix, self._slot, self._index.__contains__
+        bounded = self._index.capacity_bytes is not None
+        namespace, spec, template = None, None, None
+        for at, request in enumerate(requests):
+            key = request.key
+            if indexed(slot(key)) or (bounded and self._occupied(key)):
+                rest.append(at)
+                continue
+            try:
+                victims = self._index.reserve(HEADER_SIZE + request.nbytes)
+            except StorageError:
+                rest.extend(range(at, len(requests)))
+                break
+            if victims:
+                self._delete_slots(victims)
+            if key.namespace is not namespace or request.spec is not spec:
+                namespace, spec = key.namespace, request.spec
+                template = header_template(namespace, spec)
+            assert template is not None
+            native.append(at)
+            items.append(
+                (
+                    fsencode(f"{prefix}{key.namespace.path}/{_fan(key.name)}"),
+                    fsencode(key.name),
+                    fsencode(names.next(tmp_dir, "tmp")),
+                    request.buffers,
+                    template.expected(key.name),
+                )
+            )
+        modes = (self._file_bits, self._file_exact, self._dir_bits, self._dir_exact)
+        sync = self._config.durability is Durability.DATA
+        codes = b"".join(
+            self._threads.map_parts(lambda part: write_objects(part, modes, sync), items)
+        )
+        results: list[PutResult | None] = [None] * len(requests)
+        for code, at in zip(codes, native, strict=True):
+            request = requests[at]
+            size = HEADER_SIZE + request.nbytes
+            if code == _STORED:
+                self._index.commit(slot(request.key), size)
+                results[at] = PutResult.stored_of(request)
+            else:
+                self._index.release(size)
+                rest.append(at)
+        if rest:
+            again = self._threads.spread(self._put, [requests[at] for at in rest])
+            for at, result in zip(rest, again, strict=True):
+                results[at] = result
+        return cast("list[PutResult]", results)
+
+    def _occupied(self, key: ObjectKey) -> bool:
+        """Whether anything (a file, a link, a directory) is at ``key``'s place."""
+        try:
+            os.stat(self._path(key), follow_symlinks=False)
+        except OSError:
+            return False
+        return True
 
     def delete(self, keys: Sequence[ObjectKey]) -> None:
         """Remove the stored ones of ``keys``."""
@@ -1493,6 +1574,11 @@ _Item = tuple[bytes, tuple[memoryview, ...], bytes]
 _Row = tuple[int, int, int, bytes, int | None]
 """What the C reader says of an object that did not verify: got, inode, errno, header, digest."""
 _ReadObjects = Callable[[list[_Item]], tuple[bytes, dict[int, _Row]]]
+_WriteItem = tuple[bytes, bytes, bytes, tuple[memoryview, ...], bytes]
+"""What the C writer takes per object: its directory, name, temporary path, the
+payload's buffers and the expected header (checksums zero)."""
+_WriteObjects = Callable[[list[_WriteItem], tuple[int, bool, int, bool], bool], bytes]
+"""The C writer: items, (file mode, exact, directory mode, exact), whether to fsync."""
 
 
 def _native_module() -> ModuleType | None:
@@ -1529,11 +1615,16 @@ _SCAN_FILES: Final = cast(
     getattr(_FILEIO, "scan_files", None),
 )
 
-NATIVE_READS: Final = _READ_OBJECTS is not None and _SCAN_FILES is not None
-"""Whether reads (with their verification) and index scans run in C here (else from
-Python, call by call)."""
+_WRITE_OBJECTS: Final = cast("_WriteObjects | None", getattr(_FILEIO, "write_objects", None))
+
+NATIVE_IO: Final = all(
+    native is not None for native in (_READ_OBJECTS, _WRITE_OBJECTS, _SCAN_FILES)
+)
+"""Whether reads (with their verification), writes and index scans run in C here (else
+from Python, call by call)."""
 # _fileio's outcome codes.
 _READ, _MISSING, _LINK, _NOT_REGULAR, _FAILED, _NO_OPENAT2, _VERIFIED = range(7)
+_STORED: Final = 0
 
 
 def _read_part(reads: Sequence[_Read]) -> None:

@@ -4,11 +4,14 @@ Two disks, one scenario:
 
 - ``tmpfs``: a real 4 MiB tmpfs mounted for the test (needs root and a container that
   allows ``mount``; skipped with the reason otherwise) and unmounted afterwards.
-- ``quota``: the backend's real files on the ordinary disk, with its one write seam
-  (``sglang_storage.storage.file._writev_full``, which every object write goes through)
-  wrapped by :class:`QuotaDisk`: a write that would take the bytes under the store past a
-  quota writes what fits and then fails with ``ENOSPC``, exactly as a full file system's
+- ``quota``: the backend's real files on the ordinary disk, with the Python writer's
+  write seam (``sglang_storage.storage.file._writev_full``, which every object write of
+  ``_put`` goes through; the C writer is switched off for it) wrapped by
+  :class:`QuotaDisk`: a write that would take the bytes under the store past a quota
+  writes what fits and then fails with ``ENOSPC``, exactly as a full file system's
   ``writev`` does. Deleting objects frees quota, as on a real disk. Runs everywhere.
+  The tmpfs disk runs the C writer where it is built (an ``ENOSPC`` there is handed to
+  ``_put``, which meets it again and reports it).
 
 The scenario fills the disk, then asserts: every failed write is a per-key
 ``CapacityError`` naming the disk (no exception escapes the batch call); every object
@@ -226,6 +229,7 @@ def test_enospc_from_the_write_seam_fails_cleanly_and_keeps_reads(
 ) -> None:
     root = tmp_path / "store"
     disk = QuotaDisk(root, DISK_BYTES, file_module._writev_full)
+    monkeypatch.setattr(file_module, "_WRITE_OBJECTS", None)  # every write through the seam
     monkeypatch.setattr(file_module, "_writev_full", disk.writev_full)
     _fill_and_recover(root, ledger)
     assert disk.refused > 0, "the quota never refused a write"

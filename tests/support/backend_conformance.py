@@ -115,9 +115,8 @@ def pattern(key: ObjectKey, nbytes: int) -> bytes:
 def as_buffers(*buffers: object) -> Any:
     """``buffers`` for a request's ``buffers=`` argument.
 
-    Typed ``Any`` because mypy's attrs plugin types that field's ``tuple`` converter as
-    ``Iterable[_T_co]``, which no concrete list satisfies; the request checks each buffer
-    at run time (and the bad-input tests rely on that).
+    Typed ``Any`` so the bad-input tests can hand requests what their signature refuses;
+    the request checks each buffer at run time.
     """
     return list(buffers)
 
