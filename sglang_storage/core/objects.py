@@ -369,21 +369,7 @@ def _byte_views(owner: str, buffers: object, *, writable: bool) -> tuple[memoryv
         )
     else:
         items = tuple(buffers)
-    views: list[memoryview] = []
-    for buffer in items:
-        # The common case inline (a flat, writable-enough memoryview of bytes): this runs
-        # for every page of every request.
-        if (
-            type(buffer) is memoryview
-            and buffer.format == "B"
-            and buffer.ndim == 1
-            and buffer.c_contiguous
-            and not (writable and buffer.readonly)
-        ):
-            views.append(buffer)
-        else:
-            views.append(as_byte_view(buffer, writable=writable, owner=owner))
-    return tuple(views)
+    return tuple([as_byte_view(buffer, writable=writable, owner=owner) for buffer in items])
 
 
 def _init_request(

@@ -312,6 +312,55 @@ static void read_items(Item *items, Py_ssize_t n) {
     }
 }
 
+/* The caller's buffers of a batch, held (PyObject_GetBuffer) while the GIL is released,
+ * and the iovecs that point into them (with the slots between, for headers and the like). */
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t held;
+    struct iovec *iov;
+} Held;
+
+/* Room for ``total`` iovecs; -1 with MemoryError set. */
+static int held_alloc(Held *held, Py_ssize_t total) {
+    size_t room = total > 0 ? (size_t)total : 1;
+    held->views = PyMem_Calloc(room, sizeof(Py_buffer));
+    held->iov = PyMem_Calloc(room, sizeof(struct iovec));
+    held->held = 0;
+    if (held->views == NULL || held->iov == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* Hold each buffer of ``buffers`` (a list or tuple) as iov[*slot...]; adds their bytes to
+ * ``*bytes``. -1 with the buffer error set. */
+static int held_take(Held *held, Py_ssize_t *slot, PyObject *buffers, int flags,
+                     long long *bytes) {
+    PyObject **items = PySequence_Fast_ITEMS(buffers);
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(buffers);
+    for (Py_ssize_t j = 0; j < count; j++) {
+        Py_buffer *view = &held->views[held->held];
+        if (PyObject_GetBuffer(items[j], view, flags | PyBUF_C_CONTIGUOUS) != 0) {
+            return -1;
+        }
+        held->held++;
+        held->iov[*slot].iov_base = view->buf;
+        held->iov[*slot].iov_len = (size_t)view->len;
+        *bytes += view->len;
+        (*slot)++;
+    }
+    return 0;
+}
+
+static void held_release(Held *held) {
+    for (Py_ssize_t k = 0; k < held->held; k++) {
+        PyBuffer_Release(&held->views[k]);
+    }
+    PyMem_Free(held->views);
+    PyMem_Free(held->iov);
+}
+
 /* The number of buffers in ``buffers`` (a list or tuple), or -1 with TypeError set. */
 static Py_ssize_t buffer_count(PyObject *buffers, Py_ssize_t i) {
     if (PyList_CheckExact(buffers)) {
@@ -376,9 +425,8 @@ static PyObject *read_objects(PyObject *self, PyObject *items_arg) {
     Item *items = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Item));
     Py_ssize_t views_total = 0;
     PyObject *result = NULL;
-    Py_buffer *views = NULL;
-    Py_ssize_t held = 0;
-    struct iovec *iov = NULL, *pristine = NULL;
+    Held held = {NULL, 0, NULL};
+    struct iovec *pristine = NULL;
     if (items == NULL) {
         return PyErr_NoMemory();
     }
@@ -405,10 +453,12 @@ static PyObject *read_objects(PyObject *self, PyObject *items_arg) {
         }
         views_total += count + 2;
     }
-    views = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(Py_buffer));
-    iov = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(struct iovec));
+    if (held_alloc(&held, views_total) != 0) {
+        goto done;
+    }
+    struct iovec *iov = held.iov;
     pristine = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(struct iovec));
-    if (views == NULL || iov == NULL || pristine == NULL) {
+    if (pristine == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -417,7 +467,6 @@ static PyObject *read_objects(PyObject *self, PyObject *items_arg) {
         PyObject *entry = PyList_GET_ITEM(items_arg, i);
         PyObject *path = PyTuple_GET_ITEM(entry, 0);
         PyObject *buffers = PyTuple_GET_ITEM(entry, 1);
-        PyObject **buffer_items = PySequence_Fast_ITEMS(buffers);
         Py_ssize_t count = PySequence_Fast_GET_SIZE(buffers);
         Item *item = &items[i];
         if ((Py_ssize_t)strlen(PyBytes_AS_STRING(path)) != PyBytes_GET_SIZE(path)) {
@@ -433,16 +482,8 @@ static PyObject *read_objects(PyObject *self, PyObject *items_arg) {
         iov[slot].iov_base = item->header;
         iov[slot].iov_len = HEADER_SIZE;
         slot++;
-        for (Py_ssize_t j = 0; j < count; j++) {
-            if (PyObject_GetBuffer(buffer_items[j], &views[held],
-                                   PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-                goto done;
-            }
-            iov[slot].iov_base = views[held].buf;
-            iov[slot].iov_len = (size_t)views[held].len;
-            item->payload_bytes += views[held].len;
-            held++;
-            slot++;
+        if (held_take(&held, &slot, buffers, PyBUF_WRITABLE, &item->payload_bytes) != 0) {
+            goto done;
         }
         iov[slot].iov_base = &item->trailer;
         iov[slot].iov_len = 1;
@@ -461,11 +502,7 @@ static PyObject *read_objects(PyObject *self, PyObject *items_arg) {
         Py_DECREF(details);
     }
 done:
-    for (Py_ssize_t k = 0; k < held; k++) {
-        PyBuffer_Release(&views[k]);
-    }
-    PyMem_Free(views);
-    PyMem_Free(iov);
+    held_release(&held);
     PyMem_Free(pristine);
     PyMem_Free(items);
     return result;
@@ -623,9 +660,8 @@ static PyObject *write_objects(PyObject *self, PyObject *args) {
     }
     Py_ssize_t n = PyList_GET_SIZE(items_arg);
     Write *items = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Write));
-    Py_ssize_t views_total = 0, held = 0;
-    Py_buffer *views = NULL;
-    struct iovec *iov = NULL;
+    Py_ssize_t views_total = 0;
+    Held held = {NULL, 0, NULL};
     PyObject *result = NULL;
     if (items == NULL) {
         return PyErr_NoMemory();
@@ -661,18 +697,16 @@ static PyObject *write_objects(PyObject *self, PyObject *args) {
         }
         views_total += count + 1;
     }
-    views = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(Py_buffer));
-    iov = PyMem_Calloc(views_total > 0 ? (size_t)views_total : 1, sizeof(struct iovec));
-    if (views == NULL || iov == NULL) {
-        PyErr_NoMemory();
+    if (held_alloc(&held, views_total) != 0) {
         goto done;
     }
+    struct iovec *iov = held.iov;
     Py_ssize_t slot = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *entry = PyList_GET_ITEM(items_arg, i);
         PyObject *buffers = PyTuple_GET_ITEM(entry, 3);
-        PyObject **buffer_items = PySequence_Fast_ITEMS(buffers);
         Py_ssize_t count = PySequence_Fast_GET_SIZE(buffers);
+        long long payload = 0;
         Write *item = &items[i];
         item->dir = PyBytes_AS_STRING(PyTuple_GET_ITEM(entry, 0));
         item->name = PyBytes_AS_STRING(PyTuple_GET_ITEM(entry, 1));
@@ -684,14 +718,8 @@ static PyObject *write_objects(PyObject *self, PyObject *args) {
         iov[slot].iov_base = item->header;
         iov[slot].iov_len = HEADER_SIZE;
         slot++;
-        for (Py_ssize_t j = 0; j < count; j++) {
-            if (PyObject_GetBuffer(buffer_items[j], &views[held], PyBUF_C_CONTIGUOUS) != 0) {
-                goto done;
-            }
-            iov[slot].iov_base = views[held].buf;
-            iov[slot].iov_len = (size_t)views[held].len;
-            held++;
-            slot++;
+        if (held_take(&held, &slot, buffers, PyBUF_SIMPLE, &payload) != 0) {
+            goto done;
         }
     }
     Py_BEGIN_ALLOW_THREADS
@@ -706,11 +734,7 @@ static PyObject *write_objects(PyObject *self, PyObject *args) {
         }
     }
 done:
-    for (Py_ssize_t k = 0; k < held; k++) {
-        PyBuffer_Release(&views[k]);
-    }
-    PyMem_Free(views);
-    PyMem_Free(iov);
+    held_release(&held);
     PyMem_Free(items);
     return result;
 }
