@@ -98,6 +98,10 @@ struct open_how_ {
 };
 
 #define HEADER_SIZE 512
+/* The format's integers are little-endian, and the checksums are copied as they are. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "_fileio.c assumes a little-endian machine; the Python paths run elsewhere"
+#endif
 #define CRC_AT 12
 #define DIGEST_AT 24
 
@@ -164,10 +168,8 @@ static int header_matches(const Item *item) {
            memcmp(got + DIGEST_AT + 8, want + DIGEST_AT + 8, HEADER_SIZE - DIGEST_AT - 8) == 0;
 }
 
-/* The payload's xxh3-64. */
-static uint64_t payload_digest(const Item *item) {
-    const struct iovec *payload = item->payload;
-    Py_ssize_t n = item->buffers;
+/* The xxh3-64 of the concatenation of payload[0..n). */
+static uint64_t digest_of(const struct iovec *payload, Py_ssize_t n) {
     if (n == 1) {
         return XXH3_64bits(payload[0].iov_base, payload[0].iov_len);
     }
@@ -185,8 +187,8 @@ static void verify(Item *item) {
         return; /* READ: the caller says what differs */
     }
     uint64_t recorded;
-    memcpy(&recorded, item->header + DIGEST_AT, sizeof(recorded)); /* little-endian x86/arm */
-    uint64_t digest = payload_digest(item);
+    memcpy(&recorded, item->header + DIGEST_AT, sizeof(recorded));
+    uint64_t digest = digest_of(item->payload, item->buffers);
     item->digest = digest;
     item->digested = 1;
     if (digest == recorded) {
@@ -233,6 +235,12 @@ static int open_one(Item *item, long long *size) {
     return -1;
 }
 
+/* The bytes an item's read takes at most: header, payload and the scratch byte. */
+static long long room_of(const Item *item, long long size) {
+    long long room = HEADER_SIZE + item->payload_bytes + 1;
+    return size < room ? size : room;
+}
+
 /* Whether preadv2 takes RWF_NOWAIT here; only ever goes from 1 to 0 (a benign race). */
 static int nowait_works = 1;
 
@@ -250,8 +258,7 @@ static int read_cached(Item *item, int fd, long long size) {
         }
         return 0; /* EAGAIN: not cached; any other error, the blocking read reports */
     }
-    long long room = HEADER_SIZE + item->payload_bytes + 1;
-    if (got != (size < room ? size : room)) {
+    if (got != room_of(item, size)) {
         return 0; /* partly cached */
     }
     item->code = READ;
@@ -299,8 +306,7 @@ static void read_items(Item *items, Py_ssize_t n) {
                 close(fd);
                 continue;
             }
-            long long room = HEADER_SIZE + item->payload_bytes + 1;
-            (void)readahead(fd, 0, (size_t)(size < room ? size : room));
+            (void)readahead(fd, 0, (size_t)room_of(item, size));
             fds[i - start] = fd;
         }
         for (Py_ssize_t i = start; i < end; i++) {
@@ -605,19 +611,8 @@ static void write_one(Write *item, const int *modes, int sync) {
         close((int)dir_fd); /* something is there: the caller checks what */
         return;
     }
-    uint64_t digest;
-    if (item->count == 2) {
-        digest = XXH3_64bits(item->iov[1].iov_base, item->iov[1].iov_len);
-    } else {
-        XXH3_state_t state;
-        XXH3_INITSTATE(&state);
-        XXH3_64bits_reset(&state);
-        for (Py_ssize_t i = 1; i < item->count; i++) {
-            XXH3_64bits_update(&state, item->iov[i].iov_base, item->iov[i].iov_len);
-        }
-        digest = XXH3_64bits_digest(&state);
-    }
-    memcpy(item->header + DIGEST_AT, &digest, sizeof(digest)); /* little-endian */
+    uint64_t digest = digest_of(item->iov + 1, item->count - 1);
+    memcpy(item->header + DIGEST_AT, &digest, sizeof(digest));
     uint32_t crc = XXH32(item->header, HEADER_SIZE, 0);
     memcpy(item->header + CRC_AT, &crc, sizeof(crc));
     long fd = open_no_links(item->tmp, O_WRONLY | O_CREAT | O_EXCL, (uint64_t)mode);

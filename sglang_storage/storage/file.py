@@ -78,6 +78,7 @@ from sglang_storage.core import (
     GetResult,
     Namespace,
     ObjectKey,
+    ObjectSpec,
     PutRequest,
     PutResult,
     valid_names,
@@ -102,6 +103,7 @@ from sglang_storage.storage.capacity import CapacityIndex, KeySlots
 from sglang_storage.storage.format import (
     FORMAT_VERSION,
     HEADER_SIZE,
+    HeaderTemplate,
     ObjectHeader,
     check_object,
     checksum,
@@ -649,16 +651,10 @@ class FileBackend:
         # The I/O threads open, read, verify (header and xxh3, each payload while it is in
         # the core's cache) and close in C without the GIL; this thread builds the hits,
         # and says why of anything else (_finish, as for the Python reader).
-        items: list[_Item] = []
-        path, fsencode = self._path, os.fsencode
-        namespace, spec, template = None, None, None
-        for request in requests:
-            key = request.key
-            if key.namespace is not namespace or request.spec is not spec:
-                namespace, spec = key.namespace, request.spec
-                template = header_template(namespace, spec)
-            assert template is not None
-            items.append((fsencode(path(key)), request.buffers, template.expected(key.name)))
+        path, fsencode, expected = self._path, os.fsencode, _ExpectedHeaders()
+        items: list[_Item] = [
+            (fsencode(path(r.key)), r.buffers, expected(r.key, r.spec)) for r in requests
+        ]
         results: list[GetResult] = []
         touch, slot, hit = self._index.touch, self._slot, GetResult.hit_of
         start = 0
@@ -716,15 +712,15 @@ class FileBackend:
         # room for while the others are in flight (one by one, they may evict what this
         # batch stored).
         items: list[_WriteItem] = []
-        native: list[int] = []  # the positions of the requests in items, and of the rest
-        rest: list[int] = []
+        native: list[tuple[int, _Slot]] = []  # each item's request position and slot
+        rest: list[int] = []  # the positions of the requests _put does
         fsencode, prefix, names = os.fsencode, self._objects_prefix, self._temp_names
-        tmp_dir, slot, indexed = self._tmp_prefix, self._slot, self._index.__contains__
-        bounded = self._index.capacity_bytes is not None
-        namespace, spec, template = None, None, None
+        tmp_dir, expected = self._tmp_prefix, _ExpectedHeaders()
+        indexed, bounded = self._index.__contains__, self._index.capacity_bytes is not None
         for at, request in enumerate(requests):
             key = request.key
-            if indexed(slot(key)) or (bounded and self._occupied(key)):
+            slot = self._slot(key)
+            if indexed(slot) or (bounded and self._occupied(key)):
                 rest.append(at)
                 continue
             try:
@@ -734,18 +730,14 @@ class FileBackend:
                 break
             if victims:
                 self._delete_slots(victims)
-            if key.namespace is not namespace or request.spec is not spec:
-                namespace, spec = key.namespace, request.spec
-                template = header_template(namespace, spec)
-            assert template is not None
-            native.append(at)
+            native.append((at, slot))
             items.append(
                 (
                     fsencode(f"{prefix}{key.namespace.path}/{_fan(key.name)}"),
                     fsencode(key.name),
                     fsencode(names.next(tmp_dir, "tmp")),
                     request.buffers,
-                    template.expected(key.name),
+                    expected(key, request.spec),
                 )
             )
         modes = (self._file_bits, self._file_exact, self._dir_bits, self._dir_exact)
@@ -754,11 +746,11 @@ class FileBackend:
             self._threads.map_parts(lambda part: write_objects(part, modes, sync), items)
         )
         results: list[PutResult | None] = [None] * len(requests)
-        for code, at in zip(codes, native, strict=True):
+        for code, (at, slot) in zip(codes, native, strict=True):
             request = requests[at]
             size = HEADER_SIZE + request.nbytes
             if code == _STORED:
-                self._index.commit(slot(request.key), size)
+                self._index.commit(slot, size)
                 results[at] = PutResult.stored_of(request)
             else:
                 self._index.release(size)
@@ -1565,7 +1557,7 @@ class _Read:
             self.inode, self.got, self.not_regular = inode, 0, True
         elif code == _FAILED:
             self.error = OSError(error, f"{os.strerror(error)}: {self.path!r}")
-        elif code != _MISSING:  # openat2 refused here: the open component by component
+        elif code == _NO_OPENAT2:  # refused here: the open component by component
             _read_raw(self)
 
 
@@ -1579,6 +1571,28 @@ _WriteItem = tuple[bytes, bytes, bytes, tuple[memoryview, ...], bytes]
 payload's buffers and the expected header (checksums zero)."""
 _WriteObjects = Callable[[list[_WriteItem], tuple[int, bool, int, bool], bool], bytes]
 """The C writer: items, (file mode, exact, directory mode, exact), whether to fsync."""
+
+
+class _ExpectedHeaders:
+    """The header each key's object must have (checksums zero), for one batch.
+
+    The template is looked up once per run of requests of one namespace and spec
+    (usually the whole batch).
+    """
+
+    __slots__ = ("_namespace", "_spec", "_template")
+
+    def __init__(self) -> None:
+        self._namespace: Namespace | None = None
+        self._spec: ObjectSpec | None = None
+        self._template: HeaderTemplate | None = None
+
+    def __call__(self, key: ObjectKey, spec: ObjectSpec) -> bytes:
+        template = self._template
+        if template is None or key.namespace is not self._namespace or spec is not self._spec:
+            self._namespace, self._spec = key.namespace, spec
+            template = self._template = header_template(key.namespace, spec)
+        return template.expected(key.name)
 
 
 def _native_module() -> ModuleType | None:
