@@ -53,7 +53,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any, Final
 
 import attrs
@@ -258,6 +257,18 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+def _names(keys: Sequence[ObjectKey]) -> list[str]:
+    """Mooncake's names of ``keys`` (``str(key)`` of each).
+
+    Built from one prefix when the keys share one namespace object, the usual batch.
+    """
+    if not keys:
+        return []
+    namespace = keys[0].namespace
+    prefix = namespace.path + "/"
+    return [prefix + key.name if key.namespace is namespace else str(key) for key in keys]
+
+
 def _size_mismatch(stored: int, wanted: int) -> str:
     if stored < wanted:
         return f"truncated: holds {stored} payload bytes, the spec needs {wanted}"
@@ -421,6 +432,46 @@ class _Staging(_FreeList):
         self.bases = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in self.buffers]
 
 
+class _InFlight:
+    """The backend's calls in flight: a context manager around each call.
+
+    ``close()`` waits for them, so it never pulls the client from under one.
+    """
+
+    def __init__(self, lock: threading.Lock, backend: str) -> None:
+        self._lock = lock
+        self._idle = threading.Condition(lock)
+        self._backend = backend
+        self._active = 0
+        self._closed = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise BackendUnavailableError(
+                    backend=self._backend, reason="the backend was closed"
+                )
+            self._active += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._active -= 1
+            if not self._active:
+                self._idle.notify_all()
+
+    def close_locked(self) -> bool:
+        """Refuse new calls and wait, the lock held, until none is in flight.
+
+        Returns whether this was the first close.
+        """
+        if self._closed:
+            return False
+        self._closed = True
+        while self._active:
+            self._idle.wait()
+        return True
+
+
 class MooncakeBackend:
     """Self-checking objects in a Mooncake Store cluster, shared by every host in it.
 
@@ -449,9 +500,7 @@ class MooncakeBackend:
         self._lock = threading.Lock()
         self._known: dict[ObjectKey, int] = {}
         self._regions: list[tuple[int, int]] = []  # sorted (start, end), registered
-        self._active = 0
-        self._idle = threading.Condition(self._lock)
-        self._closed = False
+        self._calls = _InFlight(self._lock, self.name)
         self._unreachable = False
         transfer = config.transfer
         if transfer is MooncakeTransfer.AUTO and config.protocol is MooncakeProtocol.RDMA:
@@ -554,12 +603,12 @@ class MooncakeBackend:
                 reason="is empty",
                 allowed="a non-empty contiguous host buffer",
             )
-        with self._calls():
+        with self._calls:
             self._register(_address(buffer), buffer.nbytes)
 
     def unregister_memory(self, buffer: memoryview) -> None:
         """Undo :meth:`register_memory` for the same buffer; unknown buffers are ignored."""
-        with self._calls():
+        with self._calls:
             start = _address(buffer) if buffer.nbytes else 0
             with self._lock:
                 region = (start, start + buffer.nbytes)
@@ -603,19 +652,27 @@ class MooncakeBackend:
 
     def exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Whether each key is stored; all false while the master is unreachable."""
-        with self._calls():
+        with self._calls:
             return self._exists(keys)
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading keys are stored; 0 while the master is unreachable."""
-        return count_prefix(self.exists(keys))
+        with self._calls:
+            codes = self._exist_codes(keys)
+        if codes.count(1) == len(codes):  # every key: counted in C, the usual answer
+            return len(codes)
+        return count_prefix(code == 1 for code in codes)
 
     def _exists(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return [code == 1 for code in self._exist_codes(keys)]
+
+    def _exist_codes(self, keys: Sequence[ObjectKey]) -> list[int]:
+        """Mooncake's answer per key: 1 stored, 0 not, negative an error."""
         if not keys:
             return []
-        codes = self._store.batch_is_exist([str(key) for key in keys])
+        codes: list[int] = self._store.batch_is_exist(_names(keys))
         self._note_reachability(codes)
-        return [code == 1 for code in codes]
+        return codes
 
     # ------------------------------------------------------------------ reads
 
@@ -628,7 +685,7 @@ class MooncakeBackend:
         bytes. A race resolves (a later read is a hit or a miss); damage stays, and only
         then is the object reported ``CORRUPT`` and removed.
         """
-        with self._calls():
+        with self._calls:
             results = self._read(requests)
             suspects = [i for i, r in enumerate(results) if r.outcome is GetOutcome.CORRUPT]
             for _ in range(_REREADS):
@@ -664,7 +721,7 @@ class MooncakeBackend:
         base, view = self._staging.bases[arena], self._staging.views[arena]
         sizes = [HEADER_SIZE + requests[i].nbytes for i, _ in run]
         codes = self._store.batch_get_into(
-            [str(requests[i].key) for i, _ in run], [base + at for _, at in run], sizes
+            _names([requests[i].key for i, _ in run]), [base + at for _, at in run], sizes
         )
         self._note_reachability(codes)
         out = []
@@ -700,6 +757,7 @@ class MooncakeBackend:
         pointers: list[list[int]] = []
         sizes: list[list[int]] = []
         refused: dict[int, StorageError] = {}
+        names = _names([request.key for request in requests])
         for i, (request, slot) in enumerate(zip(requests, slots, strict=True)):
             ptrs, lens = [self._headers.base + slot * HEADER_SIZE], [HEADER_SIZE]
             for buffer in request.buffers:
@@ -711,7 +769,7 @@ class MooncakeBackend:
                 refused[i] = refusal
                 continue
             live.append(i)
-            keys.append(str(request.key))
+            keys.append(names[i])
             pointers.append(ptrs)
             sizes.append(lens)
         return live, keys, pointers, sizes, refused
@@ -790,7 +848,7 @@ class MooncakeBackend:
 
     def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
         """Store each request's buffers under its key; keys already stored are kept."""
-        with self._calls():
+        with self._calls:
             results: list[PutResult | None] = [None] * len(requests)
             present = self._exists([request.key for request in requests])
             first: dict[ObjectKey, int] = {}
@@ -837,7 +895,7 @@ class MooncakeBackend:
             view[at : at + HEADER_SIZE] = template.header(request.key.name, checksum([payload]))
             sizes.append(offset - at)
         codes = self._store.batch_put_from(
-            [str(requests[i].key) for i, _ in run],
+            _names([requests[i].key for i, _ in run]),
             [base + at for _, at in run],
             sizes,
             self._replicate,
@@ -908,8 +966,8 @@ class MooncakeBackend:
         """
         if not keys:
             return
-        with self._calls():
-            codes = self._store.batch_remove([str(key) for key in keys], True)
+        with self._calls:
+            codes = self._store.batch_remove(_names(keys), True)
             self._note_reachability(codes)
             removed = sum(1 for code in codes if code == 0)
             self._forget(keys)
@@ -926,7 +984,7 @@ class MooncakeBackend:
             BackendUnavailableError: the master is unreachable.
             BackendIOError: Mooncake refused the removal.
         """
-        with self._calls():
+        with self._calls:
             status = self._store.remove_by_regex(f"^{re.escape(namespace.path)}/", True)
             self._note_reachability([status])
             with self._lock:
@@ -944,37 +1002,19 @@ class MooncakeBackend:
 
     def stats(self) -> BackendStats:
         """Counters, and the objects this instance wrote or read and has not seen removed."""
-        with self._calls(), self._lock:
+        with self._calls, self._lock:
             objects, nbytes = len(self._known), sum(self._known.values())
         return self._stats.snapshot(objects=objects, nbytes=nbytes, capacity_bytes=None)
 
     def close(self) -> None:
         """Wait for calls in flight, unmount this process's segment and disconnect."""
         with self._lock:
-            if self._closed:
+            if not self._calls.close_locked():
                 return
-            self._closed = True
-            while self._active:
-                self._idle.wait()
             regions, self._regions = self._regions, []
         for start, _end in regions:
             self._store.unregister_buffer(start)
         self._store.close()
-
-    @contextmanager
-    def _calls(self) -> Iterator[None]:
-        """Mark a call in flight, so that close() never pulls the client from under it."""
-        with self._lock:
-            if self._closed:
-                raise BackendUnavailableError(backend=self.name, reason="the backend was closed")
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                if not self._active:
-                    self._idle.notify_all()
 
     # ------------------------------------------------------------------ helpers
 
@@ -1053,7 +1093,7 @@ class MooncakeBackend:
 
     def _note_reachability(self, codes: Sequence[int]) -> None:
         """Log once when the master stops answering, and once when it answers again."""
-        failed = any(code == RPC_FAIL for code in codes)
+        failed = RPC_FAIL in codes
         if failed == self._unreachable:
             return
         self._unreachable = failed

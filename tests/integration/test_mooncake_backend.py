@@ -168,6 +168,31 @@ def test_duplicate_keys_in_one_batch(backend: MooncakeBackend) -> None:
     assert backend.stats().objects == 1
 
 
+def test_one_batch_across_namespaces_names_every_key_by_its_own(
+    backend: MooncakeBackend, cluster: MooncakeCluster
+) -> None:
+    """Keys of several namespaces (and equal but distinct namespace objects) in one batch.
+
+    The backend builds Mooncake's names from the first key's namespace for speed; every
+    other key must still be stored, asked for and removed under its own full name.
+    """
+    first, other, same = namespace(), namespace(model="model-b"), namespace()
+    assert same == first
+    assert same is not first
+    keys = [first.key("k0"), other.key("k0"), same.key("k1"), first.key("k2")]
+    spec = ObjectSpec.raw(1024)
+    requests = [PutRequest(key=k, spec=spec, buffers=[pattern(k, 1024)]) for k in keys]
+    assert [r.outcome for r in backend.put_from(requests)] == [PutOutcome.STORED] * 4
+    assert all(cluster.raw.is_exist(str(key)) == 1 for key in keys)
+    assert backend.exists(keys) == [True] * 4
+    assert backend.prefix_hits(keys) == 4
+    backend.delete([other.key("k0")])
+    assert cluster.raw.is_exist(str(other.key("k0"))) == 0
+    assert backend.exists(keys) == [True, False, True, True]
+    assert backend.prefix_hits(keys) == 1
+    assert backend.prefix_hits([first.key("absent"), *keys]) == 0
+
+
 def test_delete_right_after_a_read_is_not_refused_by_the_lease(backend: MooncakeBackend) -> None:
     ns = namespace()
     keys = [ns.key(f"leased{i}") for i in range(4)]
