@@ -14,8 +14,10 @@
  * expected one, takes the payload's xxh3-64 while those bytes are still in this core's
  * cache and compares it with the header's. The GIL is released for the whole batch.
  * An object already in the page cache is read at once (preadv2 with RWF_NOWAIT); the
- * others of each window of 64 objects are all handed to the disk first (readahead) and
- * then read in order, so a cold batch keeps many disk reads in flight instead of one.
+ * others of each window of up to 64 objects and about 4 MiB are all handed to the disk
+ * first (readahead) and then read in order, so a cold batch keeps many disk reads in
+ * flight instead of one, without asking for so much at once that the first read waits
+ * behind all of it (64 objects of 1 MiB read back about 10% slower here).
  *
  * It returns (codes, details): codes is a bytes object, one code per item; details maps
  * the index of each item whose code is not VERIFIED to (got, inode, errno, header,
@@ -76,7 +78,8 @@
 #endif
 #define RESOLVE_NO_SYMLINKS_ 0x04
 #define MAX_IOV 1024
-#define WINDOW 64 /* objects whose disk reads are in flight together */
+#define WINDOW 64 /* objects whose disk reads are in flight together, at most */
+#define WINDOW_BYTES (4LL << 20) /* and bytes: once reached, the window's reads begin */
 #ifndef RWF_NOWAIT
 #define RWF_NOWAIT 0x00000008
 #endif
@@ -282,14 +285,21 @@ static void read_blocking(Item *item, int fd) {
 }
 
 /* Read and verify every item. Objects in the page cache are read and verified at once;
- * the others of a window of WINDOW objects are first all asked of the disk (readahead),
- * then read in order, so the disk works on many at a time instead of one. */
+ * the others of a window (WINDOW objects, or fewer once WINDOW_BYTES are asked for) are
+ * first all asked of the disk (readahead), then read in order, so the disk works on many
+ * at a time instead of one. */
 static void read_items(Item *items, Py_ssize_t n) {
     int fds[WINDOW];
     int refused = 0;
-    for (Py_ssize_t start = 0; start < n; start += WINDOW) {
-        Py_ssize_t end = n - start < WINDOW ? n : start + WINDOW;
+    Py_ssize_t end;
+    for (Py_ssize_t start = 0; start < n; start = end) {
+        end = n - start < WINDOW ? n : start + WINDOW;
+        long long asked = 0;
         for (Py_ssize_t i = start; i < end; i++) {
+            if (asked >= WINDOW_BYTES) {
+                end = i;
+                break;
+            }
             Item *item = &items[i];
             long long size = 0;
             fds[i - start] = -1;
@@ -307,6 +317,7 @@ static void read_items(Item *items, Py_ssize_t n) {
                 continue;
             }
             (void)readahead(fd, 0, (size_t)room_of(item, size));
+            asked += room_of(item, size);
             fds[i - start] = fd;
         }
         for (Py_ssize_t i = start; i < end; i++) {

@@ -247,3 +247,60 @@ def test_reopening_indexes_the_objects_and_nothing_else(tmp_path: Path, file_rea
             assert result.outcome is GetOutcome.HIT
             assert got == data
     assert not sparse.exists()  # quarantined at the scan
+
+
+def _drop_from_page_cache(path: Path) -> bool:
+    """Write ``path`` back and drop it from the page cache; whether it is now uncached."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:  # RWF_NOWAIT unsupported here: cannot tell
+            return False
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_cold_batch_over_several_readahead_windows_reads_every_object(
+    backend: FileBackend,
+) -> None:
+    """Objects not in the page cache are asked of the disk a window at a time.
+
+    A window ends after 64 objects or about 4 MiB, so this batch (two parts of 75 objects,
+    1 MiB ones among small ones) crosses both limits; a miss and a damaged object sit
+    between the windows' edges, and every other object must still be read whole.
+    """
+    small, large = 3000, 1 << 20
+    sizes = [large if i % 10 == 3 else small for i in range(150)]
+    objects = [stored(backend, f"cold-{i}", n) for i, n in enumerate(sizes)]
+    flipped = objects[70][0]
+    raw = bytearray(backend.path_of(flipped).read_bytes())
+    raw[-1] ^= 1
+    backend.path_of(flipped).write_bytes(bytes(raw))
+    cold = [_drop_from_page_cache(backend.path_of(k)) for k, _ in objects]
+    if sum(cold) < len(cold) // 2:
+        pytest.skip("this file system keeps the objects cached (or has no RWF_NOWAIT)")
+    order = [k for k, _ in objects]
+    order.insert(64, key("gone"))
+    wanted = dict(zip((k for k, _ in objects), sizes, strict=True)) | {key("gone"): small}
+    targets = {k: bytearray(wanted[k]) for k in order}
+    requests = [
+        GetRequest(key=k, spec=ObjectSpec.raw(wanted[k]), buffers=as_buffers(targets[k]))
+        for k in order
+    ]
+    results = backend.get_into(requests)
+    expected = dict(objects)
+    for k, result in zip(order, results, strict=True):
+        if k == key("gone"):
+            assert result.outcome is GetOutcome.MISS
+        elif k == flipped:
+            assert result.outcome is GetOutcome.CORRUPT
+            assert targets[k] == bytes(wanted[k])
+        else:
+            assert result.outcome is GetOutcome.HIT, k
+            assert bytes(targets[k]) == expected[k]
