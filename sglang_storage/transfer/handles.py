@@ -23,17 +23,21 @@ A handle becomes terminal only when no backend call on its buffers is in flight,
 calls: one FIFO per :class:`Priority`, most urgent first, with a deadline index.
 :class:`CloseReport` says what closing a pipeline did to the handles still in it.
 
-Locking: a handle shares its pipeline's lock. Only the pipeline that created a handle
-changes it, through the underscore methods below, always with that lock held; readers
-(``state``, ``done``, the properties) see a consistent snapshot without taking it, and
-neither they nor ``wait``, ``result`` and ``partial`` change anything (the pipeline's
-``completions()`` reports the handle all the same).
+Locking: only the pipeline that created a handle changes it, through the underscore
+methods below, always with the pipeline's lock held; readers (``state``, ``done``, the
+properties) see a consistent snapshot without taking it, and neither they nor ``wait``,
+``result`` and ``partial`` change anything (the pipeline's ``completions()`` reports the
+handle all the same). Waiters never take the pipeline's lock either: each handle has a
+gate, a lock held from its creation that the pipeline releases once, after the handle
+became terminal; ``wait`` passes through it (taking and at once releasing it).
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
+import itertools
+import operator
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -123,10 +127,9 @@ class TransferHandle(Generic[R]):
         nbytes: int | Callable[[], int],
         submitted_at: float,
         deadline_s: float | None,
-        description: str,
+        store_name: str,
         placeholder: Callable[[int, StorageError], R],
         canceller: Callable[[TransferHandle[R]], bool],
-        lock: threading.Lock,
     ) -> None:
         self._op_id = op_id
         self._kind = kind
@@ -136,11 +139,12 @@ class TransferHandle(Generic[R]):
         self._submitted_at = submitted_at
         self._deadline_s = deadline_s
         self._deadline = None if deadline_s is None else submitted_at + deadline_s
-        self._description = description
+        self._store_name = store_name
         self._placeholder = placeholder
         self._canceller = canceller
-        self._lock = lock
-        self._cond: threading.Condition | None = None  # made by the first waiter
+        # Held until the pipeline lets waiters through (``_gate_to_open``), once terminal.
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._state = OpState.PENDING
         self._results: list[R | None] = [None] * len(self._items)
         self._next = 0
@@ -218,10 +222,16 @@ class TransferHandle(Generic[R]):
         """Block until the operation is terminal or ``timeout_s`` passes; return ``done()``."""
         if self._state.terminal:
             return True
-        with self._lock:
-            if self._cond is None:
-                self._cond = threading.Condition(self._lock)
-            return self._cond.wait_for(lambda: self._state.terminal, timeout_s)
+        gate = self._gate
+        if timeout_s is None:
+            passed = gate.acquire()
+        elif timeout_s > 0:
+            passed = gate.acquire(True, min(timeout_s, threading.TIMEOUT_MAX))
+        else:
+            passed = gate.acquire(False)
+        if passed:
+            gate.release()  # the next waiter passes too
+        return self._state.terminal
 
     def result(self, timeout_s: float | None = None) -> list[R]:
         """One result per submitted page, in order, once the operation is done.
@@ -271,6 +281,12 @@ class TransferHandle(Generic[R]):
     def __repr__(self) -> str:
         return f"<TransferHandle #{self._op_id} {self._description}: {self._state.value}>"
 
+    @property
+    def _description(self) -> str:
+        """What the operation is, for messages (built only when one is needed)."""
+        unit = "keys" if self._kind is OpKind.EXISTS else "pages"
+        return f"{self._kind.value} of {len(self._items)} {unit} on {self._store_name!r}"
+
     def _filled(self) -> list[R]:
         if self._state is OpState.DONE:  # every page has its result
             return cast(list[R], list(self._results))
@@ -319,7 +335,11 @@ class TransferHandle(Generic[R]):
         return self._next < len(self._items)
 
     def _settle(self, now: float) -> bool:
-        """Become terminal if nothing is in flight and nothing is left to do; True if it did."""
+        """Become terminal if nothing is in flight and nothing is left to do; True if it did.
+
+        When it did, the pipeline must then open the gate (:meth:`_gate_to_open`), once,
+        with or without its lock held: until then ``wait`` blocks.
+        """
         if self._state.terminal or self._inflight:
             return False
         if self._stop_error is None and self._next < len(self._items):
@@ -334,13 +354,16 @@ class TransferHandle(Generic[R]):
         else:
             self._late = self._deadline is not None and now > self._deadline
             self._state = OpState.DONE
-        if self._cond is not None:
-            self._cond.notify_all()
         return True
+
+    def _gate_to_open(self) -> threading.Lock:
+        """The gate ``wait`` blocks on; the pipeline releases it once, after ``_settle``."""
+        return self._gate
 
     def _skipped(self) -> int:
         """Pages no backend call returned a result for."""
-        return self._results.count(None)
+        # By identity: ``count(None)`` would call each result's ``__eq__`` (Python code).
+        return sum(map(operator.is_, self._results, itertools.repeat(None)))
 
 
 GetHandle: TypeAlias = TransferHandle[GetResult]

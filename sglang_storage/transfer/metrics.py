@@ -260,8 +260,14 @@ class KindRecorder:
             self._pages["present"] += present
             self._pages["absent"] += len(results) - present
         else:
-            # C-level loops: this runs for every page.
-            self._outcomes.update(map(_OUTCOME, results))
+            # C-level loops: this runs for every page. Outcomes are enum members, whose
+            # hash is Python code: count the first one by identity, hash only the others.
+            outcomes = list(map(_OUTCOME, results))
+            first = outcomes[0]
+            same = outcomes.count(first)
+            self._outcomes[first] += same
+            if same != len(outcomes):
+                self._outcomes.update(outcome for outcome in outcomes if outcome is not first)
             self._bytes += sum(map(_NBYTES, results))
 
     def finished(self, handle: TransferHandle[Any], skipped: int) -> None:

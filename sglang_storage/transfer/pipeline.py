@@ -45,7 +45,10 @@ handle (``error``; ``result()`` raises it); ``completions()``, ``close()`` and l
 submissions never raise it.
 
 Locking: one lock guards all queues, handles and metrics; the pipeline's methods take it
-for bookkeeping only and never hold it during a backend call.
+for bookkeeping only and never hold it during a backend call. Threads that wait (an idle
+worker, a ``wait()`` on a handle, a waiting ``completions()``) each block on a lock of
+their own that the thread waking them releases, after leaving the shared lock where it
+can, so a woken thread does not at once block again on the lock its waker still holds.
 """
 
 from __future__ import annotations
@@ -169,10 +172,12 @@ class StoragePipeline:
         self._store_name = store.name
         self._clock = clock
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
         self._idle = threading.Condition(self._lock)
-        self._finished_cond = threading.Condition(self._lock)
         self._space = {p: threading.Condition(self._lock) for p in Priority}
+        self._room_waiters = 0  # submissions waiting on ``_space``
+        # Wake-up locks (held while on the list) of idle workers and waiting completions().
+        self._idle_workers: list[threading.Lock] = []
+        self._completion_waiters: list[threading.Lock] = []
         self._pending = PendingQueue(on_leave=self._left_queue_locked)
         self._live: dict[int, AnyHandle] = {}
         self._finished: list[AnyHandle] = []
@@ -183,7 +188,10 @@ class StoragePipeline:
         pipeline_id = next(_PIPELINE_IDS)
         self._threads = [
             threading.Thread(
-                target=self._worker, name=f"{THREAD_NAME_PREFIX}-{pipeline_id}-{i}", daemon=True
+                target=self._worker,
+                args=(_held_lock(),),
+                name=f"{THREAD_NAME_PREFIX}-{pipeline_id}-{i}",
+                daemon=True,
             )
             for i in range(self._config.workers)
         ]
@@ -285,12 +293,28 @@ class StoragePipeline:
         with self._lock:
             self._expire_due_locked(self._clock())
             if not self._finished and (timeout_s is None or timeout_s > 0):
-                self._finished_cond.wait_for(
-                    lambda: bool(self._finished) or (self._closing and not self._live),
-                    timeout_s,
-                )
+                self._wait_for_completion_locked(timeout_s)
             finished, self._finished = self._finished, []
         return finished
+
+    def _wait_for_completion_locked(self, timeout_s: float | None) -> None:
+        """Until something finished, or the pipeline is closed and idle, or ``timeout_s``."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._finished and not (self._closing and not self._live):
+            left = -1.0
+            if end is not None:
+                left = min(end - time.monotonic(), threading.TIMEOUT_MAX)
+                if left <= 0:
+                    return
+            waiter = _held_lock()
+            self._completion_waiters.append(waiter)
+            self._lock.release()
+            try:
+                waiter.acquire(True, left)
+            finally:
+                self._lock.acquire()
+                if waiter in self._completion_waiters:  # not woken: timed out or interrupted
+                    self._completion_waiters.remove(waiter)
 
     def metrics(self) -> PipelineMetrics:
         """A snapshot of the pipeline's metrics."""
@@ -336,14 +360,14 @@ class StoragePipeline:
                 condition.notify_all()
             if first and not drain:
                 cancelled += self._cancel_queued_locked("the pipeline was closed without draining")
-            self._work.notify_all()
+            self._wake_idle_workers_locked()
             if first and drain:
                 self._idle.wait_for(lambda: not self._pending, max(0.0, end - time.monotonic()))
                 if self._pending:
                     reason = f"the pipeline's close did not drain within {timeout:g} s"
                     cancelled += self._cancel_queued_locked(reason)
-                    self._work.notify_all()
-            self._finished_cond.notify_all()
+                    self._wake_idle_workers_locked()
+            _open_all(self._completion_waiters)
         for thread in self._threads:
             thread.join(max(0.0, end - time.monotonic()))
         with self._lock:
@@ -380,26 +404,26 @@ class StoragePipeline:
         deadline_s: float | None,
         placeholder: Callable[[int, StorageError], R],
     ) -> TransferHandle[R]:
-        method = f"StoragePipeline.submit_{kind.value}"
         if not isinstance(priority, Priority):
             raise ConfigError(
-                owner=method, field="priority", value=priority, reason="must be a Priority"
+                owner=_submit_method(kind),
+                field="priority",
+                value=priority,
+                reason="must be a Priority",
             )
         deadline = self._config.default_deadline_s if deadline_s is None else deadline_s
         if deadline is not None and not _is_seconds(deadline, allow_zero=False):
             raise ConfigError(
-                owner=method, field="deadline_s", value=deadline, reason="must be > 0"
+                owner=_submit_method(kind), field="deadline_s", value=deadline, reason="must be > 0"
             )
-        unit = "keys" if kind is OpKind.EXISTS else "pages"
-        description = f"{kind.value} of {len(items)} {unit} on {self._store_name!r}"
         now = self._clock()
         with self._lock:
             if self._closing or not self._workers_alive:
                 reason = "the pipeline is closed" if self._closing else "no worker thread is left"
-                raise StateError(subject=method, reason=reason)
+                raise StateError(subject=_submit_method(kind), reason=reason)
             self._expire_due_locked(now)
             if items and self._pending.depth(priority) >= self._config.queue_depth:
-                self._wait_for_room_locked(kind, priority, description, method)
+                self._wait_for_room_locked(kind, priority, len(items))
             handle: TransferHandle[R] = TransferHandle(
                 op_id=next(self._ids),
                 kind=kind,
@@ -408,25 +432,26 @@ class StoragePipeline:
                 nbytes=nbytes,
                 submitted_at=now,
                 deadline_s=deadline,
-                description=description,
+                store_name=self._store_name,
                 placeholder=placeholder,
                 canceller=self._cancel,
-                lock=self._lock,
             )
             op = cast(AnyHandle, handle)
-            self._recorders[kind].submitted(len(items))
+            recorder = self._recorders[kind]
+            recorder.submitted(len(items))
             self._live[op.op_id] = op
             if not items:
                 self._settle_locked(op, now)
                 return handle
             self._pending.push(op)
-            self._recorders[kind].enqueued()
-            self._work.notify()
+            recorder.enqueued()
+            # Woken once out of the lock: it would otherwise wake to block on it at once.
+            worker = self._idle_workers.pop() if self._idle_workers else None
+        if worker is not None:
+            worker.release()
         return handle
 
-    def _wait_for_room_locked(
-        self, kind: OpKind, priority: Priority, description: str, method: str
-    ) -> None:
+    def _wait_for_room_locked(self, kind: OpKind, priority: Priority, pages: int) -> None:
         depth = self._config.queue_depth
         resource = f"storage pipeline {priority.name} queue (queue_depth={depth})"
         if self._config.backpressure is BackpressureMode.REJECT:
@@ -439,13 +464,21 @@ class StoragePipeline:
                 hint="raise StoragePipelineConfig.queue_depth or use backpressure='wait'",
             )
         timeout = self._config.submit_timeout_s
-        room = self._space[priority].wait_for(
-            lambda: self._closing or self._pending.depth(priority) < depth, timeout
-        )
+        self._room_waiters += 1
+        try:
+            room = self._space[priority].wait_for(
+                lambda: self._closing or self._pending.depth(priority) < depth, timeout
+            )
+        finally:
+            self._room_waiters -= 1
         if self._closing:
-            raise StateError(subject=method, reason="the pipeline was closed while waiting")
+            raise StateError(
+                subject=_submit_method(kind), reason="the pipeline was closed while waiting"
+            )
         if not room:
             self._recorders[kind].rejected()
+            unit = "keys" if kind is OpKind.EXISTS else "pages"
+            description = f"{kind.value} of {pages} {unit} on {self._store_name!r}"
             raise OperationTimeoutError(
                 operation=f"submitting {description}: the {resource} stayed full",
                 timeout_s=timeout,
@@ -469,18 +502,24 @@ class StoragePipeline:
             self._stop_locked(op, OperationCancelledError(operation=op._description, reason=reason))
         return cancelled
 
-    def _stop_locked(self, op: TransferHandle[Any], error: StorageError) -> None:
+    def _stop_locked(
+        self,
+        op: TransferHandle[Any],
+        error: StorageError,
+        wakes: list[threading.Lock] | None = None,
+    ) -> None:
         """Dispatch nothing more of ``op``: it ends with ``error`` once its calls return."""
         if op in self._pending:
             self._pending.remove(op)
         op._stop(error)
-        self._settle_locked(op, self._clock())
+        self._settle_locked(op, self._clock(), wakes)
 
     def _left_queue_locked(self, op: TransferHandle[Any]) -> None:
         self._recorders[op.kind].dequeued()
-        self._space[op.priority].notify()
-        if not self._pending:
-            self._idle.notify_all()
+        if self._room_waiters:
+            self._space[op.priority].notify()
+        if self._closing and not self._pending:
+            self._idle.notify_all()  # only close() waits on it
 
     def _expire_due_locked(self, now: float) -> None:
         for op in self._pending.pop_expired(now):
@@ -491,28 +530,53 @@ class StoragePipeline:
             op._stop(error)
             self._settle_locked(op, now)
 
-    def _settle_locked(self, op: TransferHandle[Any], now: float) -> None:
+    def _settle_locked(
+        self, op: TransferHandle[Any], now: float, wakes: list[threading.Lock] | None = None
+    ) -> None:
+        """Make ``op`` terminal if nothing of it is in flight or left to do.
+
+        Its waiters (and those of ``completions()``) are woken at once, or, given ``wakes``,
+        their locks are added there for the caller to release once out of the lock.
+        """
         if not op._settle(now):
             return
         del self._live[op.op_id]
         self._recorders[op.kind].finished(op, op._skipped())
         if self._config.track_completions:
             self._finished.append(cast(AnyHandle, op))
-        self._finished_cond.notify_all()
+        if wakes is None:
+            op._gate_to_open().release()
+            _open_all(self._completion_waiters)
+        else:
+            wakes.append(op._gate_to_open())
+            wakes += self._completion_waiters
+            self._completion_waiters.clear()
+
+    def _wake_idle_workers_locked(self) -> None:
+        _open_all(self._idle_workers)
 
     # ---------------------------------------------------------------- workers
 
-    def _worker(self) -> None:
+    def _worker(self, wake: threading.Lock) -> None:
+        """Run backend calls until closed; ``wake`` (held) is what this worker idles on."""
+        wakes: list[threading.Lock] = []  # released once out of the lock
+        finished: _Finished | None = None
         try:
             while True:
                 with self._lock:
+                    if finished is not None:
+                        self._complete_locked(*finished, wakes)
+                        finished = None
                     batch = self._next_batch_locked()
-                    while batch is None:
+                    if batch is None:
                         if self._closing and not self._pending:
                             return
-                        self._work.wait()
-                        batch = self._next_batch_locked()
-                self._run(*batch)
+                        self._idle_workers.append(wake)
+                _open_all(wakes)
+                if batch is None:
+                    wake.acquire()  # released by a submission, another worker or close()
+                else:
+                    finished = self._run(*batch, wakes)
         finally:
             with self._lock:
                 self._workers_alive -= 1
@@ -522,19 +586,26 @@ class StoragePipeline:
                         self._stop_locked(
                             op, StorageError(f"{op._description}: no worker thread is left")
                         )
+            _open_all(wakes)
 
     def _next_batch_locked(self) -> tuple[OpKind, tuple[_Segment, ...]] | None:
         self._expire_due_locked(self._clock())
         batch = self._pending.take(self._config.batch_pages, merge=self._config.merge_ops)
-        if batch is not None and self._pending:
-            self._work.notify()  # more work: wake another worker
+        if batch is not None and self._pending and self._idle_workers:
+            self._idle_workers.pop().release()  # more work: wake another worker
         return batch
 
-    def _run(self, kind: OpKind, segments: tuple[_Segment, ...]) -> None:
-        items: list[object] = []
-        for op, start, end in segments:
-            items.extend(op._items_between(start, end))
-        what = f"{self._store_name!r}.{_METHODS[kind]} of {len(items)} pages"
+    def _run(
+        self, kind: OpKind, segments: tuple[_Segment, ...], wakes: list[threading.Lock]
+    ) -> _Finished:
+        """Make the backend call of one batch; what it returned, for ``_complete_locked``."""
+        if len(segments) == 1:
+            op, start, end = segments[0]
+            items = list(op._items_between(start, end))
+        else:
+            items = []
+            for op, start, end in segments:
+                items.extend(op._items_between(start, end))
         results: Sequence[object] = ()
         error: StorageError | None = None
         started = self._clock()
@@ -542,21 +613,28 @@ class StoragePipeline:
             results = self._invoke(kind, items)
             if len(results) != len(items):
                 error = StorageError(
-                    f"{what} returned {len(results)} results "
+                    f"{self._call_name(kind, items)} returned {len(results)} results "
                     "(the PageStore contract is one per input)"
                 )
         except StorageError as exc:
             error = exc
-            _LOG.warning("%s failed: %s", what, exc)
+            _LOG.warning("%s failed: %s", self._call_name(kind, items), exc)
         except Exception as exc:  # noqa: BLE001 - any backend bug fails the ops, not the worker
+            what = self._call_name(kind, items)
             error = StorageError(f"{what} raised {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             _LOG.error("%s raised an unexpected exception", what, exc_info=exc)
         except BaseException as exc:
+            what = self._call_name(kind, items)
             interrupted = StorageError(f"{what} was interrupted by {type(exc).__name__}")
-            self._complete(kind, segments, (), interrupted, started)
+            now = self._clock()
+            with self._lock:
+                self._complete_locked(kind, segments, (), interrupted, started, now, wakes)
             raise
-        self._complete(kind, segments, results, error, started)
+        return kind, segments, results, error, started, self._clock()
+
+    def _call_name(self, kind: OpKind, items: Sequence[object]) -> str:
+        return f"{self._store_name!r}.{_METHODS[kind]} of {len(items)} pages"
 
     def _invoke(self, kind: OpKind, items: list[object]) -> Sequence[object]:
         if kind is OpKind.GET:
@@ -565,32 +643,36 @@ class StoragePipeline:
             return self._store.put_from(cast("list[PutRequest]", items))
         return self._store.exists(cast("list[ObjectKey]", items))
 
-    def _complete(
+    def _complete_locked(
         self,
         kind: OpKind,
         segments: tuple[_Segment, ...],
         results: Sequence[object],
         error: StorageError | None,
         started: float,
+        now: float,
+        wakes: list[threading.Lock],
     ) -> None:
-        now = self._clock()
-        with self._lock:
-            delivered = results if error is None else ()
-            self._recorders[kind].call(now - started, delivered, failed=error is not None)
-            position = 0
-            for op, start, end in segments:
-                if error is None:
-                    part = results[position : position + end - start]
-                    moved = sum(map(_NBYTES, part)) if kind is not OpKind.EXISTS else 0
-                    op._record(start, part, moved)
-                    self._settle_locked(op, now)
-                else:
-                    op._call_failed(error)
-                    self._stop_locked(op, error)
-                position += end - start
+        delivered = results if error is None else ()
+        self._recorders[kind].call(now - started, delivered, failed=error is not None)
+        position = 0
+        for op, start, end in segments:
+            if error is None:
+                part = results[position : position + end - start]
+                moved = sum(map(_NBYTES, part)) if kind is not OpKind.EXISTS else 0
+                op._record(start, part, moved)
+                self._settle_locked(op, now, wakes)
+            else:
+                op._call_failed(error)
+                self._stop_locked(op, error, wakes)
+            position += end - start
 
 
 _Segment: TypeAlias = tuple[TransferHandle[Any], int, int]
+_Finished: TypeAlias = tuple[
+    OpKind, tuple[_Segment, ...], Sequence[object], StorageError | None, float, float
+]
+"""A finished backend call: kind, segments, results, error, start and end clock readings."""
 _METHODS: Final = {OpKind.GET: "get_into", OpKind.PUT: "put_from", OpKind.EXISTS: "exists"}
 
 
@@ -607,6 +689,24 @@ def _checked(items: Sequence[Any], kind: type[R], method: str, field: str) -> tu
                 reason=f"must be a {kind.__name__}",
             )
     return values  # pragma: no cover - the fast check above found a mismatch
+
+
+def _submit_method(kind: OpKind) -> str:
+    return f"StoragePipeline.submit_{kind.value}"
+
+
+def _held_lock() -> threading.Lock:
+    """A new lock, already held: a one-shot wake-up for whoever blocks on it."""
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
+def _open_all(locks: list[threading.Lock]) -> None:
+    """Release every lock of ``locks`` (each held, each released once) and empty the list."""
+    for lock in locks:
+        lock.release()
+    locks.clear()
 
 
 def _absent(index: int, cause: StorageError) -> bool:
