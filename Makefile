@@ -67,7 +67,7 @@ revert-patches: $(STAMP)
 # `make bench BENCH_REPORT=docs/bench` (the committed report).
 BENCH_REPORT ?= build/bench
 BENCH_ARGS ?= --compare sglang-file --repeats 5 --settle 120
-BENCH_SCRIPTS = "host_pool.py --quick" "storage_pipeline.py --repeats 3" \
+BENCH_SCRIPTS = "host_pool.py --quick" "storage_pipeline.py --repeats 40" \
 	"page_hash.py --quick" "hicache_interface.py --quick" \
 	"mooncake_backend.py --quick" "file_backend.py --quick" "file_scale.py --quick"
 
