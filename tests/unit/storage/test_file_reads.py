@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 from conftest import component_or_skip
-from support.backend_conformance import as_buffers, get_bytes, namespace, pattern, put_bytes
+from support.backend_conformance import (
+    SENTINEL,
+    as_buffers,
+    get_bytes,
+    namespace,
+    pattern,
+    put_bytes,
+)
 
 from sglang_storage.core import GetOutcome, GetRequest, ObjectKey, ObjectSpec, PutOutcome
 from sglang_storage.storage import FileBackend, FileBackendConfig
@@ -304,3 +311,34 @@ def test_a_cold_batch_over_several_readahead_windows_reads_every_object(
         else:
             assert result.outcome is GetOutcome.HIT, k
             assert bytes(targets[k]) == expected[k]
+
+
+def test_large_cached_objects_are_read_and_checked_in_parts(backend: FileBackend) -> None:
+    """Objects over 512 KiB in the page cache are read in 256 KiB parts, each hashed as it
+    arrives: buffers whose edges fall anywhere against the parts still get every byte, and
+    damage in any part, a missing tail or an extra byte is still caught."""
+    big = (1 << 20) + 4099
+    hits = [stored(backend, f"large-{i}", big) for i in range(3)]
+    damaged = {}
+    for name, offset in (("middle", (384 << 10) + 7), ("last", big - 1), ("first", 0)):
+        k, _ = stored(backend, f"flip-{name}", big)
+        path = backend.path_of(k)
+        raw = bytearray(path.read_bytes())
+        raw[HEADER_SIZE + offset] ^= 0x40
+        path.write_bytes(bytes(raw))
+        damaged[k] = GetOutcome.CORRUPT
+    short, _ = stored(backend, "short", big)
+    backend.path_of(short).write_bytes(backend.path_of(short).read_bytes()[:-5000])
+    longer, _ = stored(backend, "longer", big)
+    with backend.path_of(longer).open("ab") as tail:
+        tail.write(b"x")
+    damaged |= {short: GetOutcome.CORRUPT, longer: GetOutcome.CORRUPT}
+    for parts in (1, 7):
+        for k, data in hits:
+            result, got = get_bytes(backend, k, ObjectSpec.raw(big), parts=parts)
+            assert result.outcome is GetOutcome.HIT
+            assert got == data
+    for k, outcome in damaged.items():  # once: a corrupt object is then quarantined
+        result, got = get_bytes(backend, k, ObjectSpec.raw(big), parts=7)
+        assert result.outcome is outcome, k
+        assert got in (bytes(big), bytes([SENTINEL]) * big)
