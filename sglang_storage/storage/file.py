@@ -637,39 +637,55 @@ class FileBackend:
     def get_into(self, requests: Sequence[GetRequest]) -> list[GetResult]:
         """Read and verify each requested object straight into its buffers."""
         self._check_open()
-        read_objects = _READ_OBJECTS
-        if read_objects is not None and openat2_usable():
-            results = self._get_native(read_objects, requests)
+        read_requests = _READ_REQUESTS
+        if read_requests is not None and openat2_usable():
+            results = self._get_native(read_requests, requests)
         else:
             results = self._get_python(requests)
         self._stats.record_gets(results)
         return results
 
     def _get_native(
-        self, read_objects: _ReadObjects, requests: Sequence[GetRequest]
+        self, read_requests: _ReadRequests, requests: Sequence[GetRequest]
     ) -> list[GetResult]:
-        # The I/O threads open, read, verify (header and xxh3, each payload while it is in
-        # the core's cache) and close in C without the GIL; this thread builds the hits,
-        # and says why of anything else (_finish, as for the Python reader).
-        path, fsencode, expected = self._path, os.fsencode, _ExpectedHeaders()
-        items: list[_Item] = [
-            (fsencode(path(r.key)), r.buffers, expected(r.key, r.spec)) for r in requests
-        ]
+        # The I/O threads build each path and expected header, open, read, verify (header
+        # and xxh3, each payload while it is in the core's cache) and close in C, without
+        # the GIL but for the first; this thread builds the hits, and says why of anything
+        # else (_finish, as for the Python reader).
+        layout = self._layout
+
+        def read(part: list[GetRequest]) -> tuple[bytes, dict[int, _Row]]:
+            return read_requests(part, layout)
+
         results: list[GetResult] = []
         touch, slot, hit = self._index.touch, self._slot, GetResult.hit_of
         start = 0
-        for codes, details in self._threads.map_parts(read_objects, items):
-            for index, code in enumerate(codes):
-                request = requests[start + index]
-                if code == _VERIFIED:
+        for codes, details in self._threads.map_parts(read, requests):
+            part = requests[start : start + len(codes)]
+            if not details:  # all verified, the usual case
+                for request in part:
                     touch(slot(request.key), HEADER_SIZE + request.nbytes)
-                    results.append(hit(request))
-                else:
-                    read = _Read(self._path(request.key), request)
-                    read.take(code, details[index])
-                    results.append(self._finish(read))
+                results += [hit(request) for request in part]
+            else:
+                for index, (request, code) in enumerate(zip(part, codes, strict=True)):
+                    if code == _VERIFIED:
+                        touch(slot(request.key), HEADER_SIZE + request.nbytes)
+                        results.append(hit(request))
+                    else:
+                        read_one = _Read(self._path(request.key), request)
+                        read_one.take(code, details[index])
+                        results.append(self._finish(read_one))
             start += len(codes)
         return results
+
+    def _layout(self, namespace: Namespace, spec: ObjectSpec) -> tuple[bytes, bytes, bytes]:
+        """What the C reader needs of one namespace and spec.
+
+        The namespace's directory (with its trailing slash), and the expected header's
+        bytes before and after the name.
+        """
+        head, tail = header_template(namespace, spec).frame()
+        return os.fsencode(f"{self._objects_prefix}{namespace.path}/"), head, tail
 
     def _get_python(self, requests: Sequence[GetRequest]) -> list[GetResult]:
         # Two phases: the I/O threads only open, read, hash and close (almost all of it
@@ -1561,11 +1577,11 @@ class _Read:
             _read_raw(self)
 
 
-_Item = tuple[bytes, tuple[memoryview, ...], bytes]
-"""What the C reader takes per object: its path, the payload's buffers, the expected header."""
 _Row = tuple[int, int, int, bytes, int | None]
 """What the C reader says of an object that did not verify: got, inode, errno, header, digest."""
-_ReadObjects = Callable[[list[_Item]], tuple[bytes, dict[int, _Row]]]
+_Layout = Callable[[Namespace, ObjectSpec], tuple[bytes, bytes, bytes]]
+"""A namespace's directory, and the expected header's bytes before and after the name."""
+_ReadRequests = Callable[[list[GetRequest], _Layout], tuple[bytes, dict[int, _Row]]]
 _WriteItem = tuple[bytes, bytes, bytes, tuple[memoryview, ...], bytes]
 """What the C writer takes per object: its directory, name, temporary path, the
 payload's buffers and the expected header (checksums zero)."""
@@ -1623,7 +1639,7 @@ def _scan_files(path: str) -> tuple[list[str], list[int], list[int]]:
 
 
 _FILEIO: Final = _native_module()
-_READ_OBJECTS: Final = cast("_ReadObjects | None", getattr(_FILEIO, "read_objects", None))
+_READ_REQUESTS: Final = cast("_ReadRequests | None", getattr(_FILEIO, "read_requests", None))
 _SCAN_FILES: Final = cast(
     "Callable[[bytes], tuple[list[str], list[int], list[int]]] | None",
     getattr(_FILEIO, "scan_files", None),
@@ -1632,7 +1648,7 @@ _SCAN_FILES: Final = cast(
 _WRITE_OBJECTS: Final = cast("_WriteObjects | None", getattr(_FILEIO, "write_objects", None))
 
 NATIVE_IO: Final = all(
-    native is not None for native in (_READ_OBJECTS, _WRITE_OBJECTS, _SCAN_FILES)
+    native is not None for native in (_READ_REQUESTS, _WRITE_OBJECTS, _SCAN_FILES)
 )
 """Whether reads (with their verification), writes and index scans run in C here (else
 from Python, call by call)."""

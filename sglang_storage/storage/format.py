@@ -178,6 +178,15 @@ class HeaderTemplate:
             return _ZEROS
         return header + _ZEROS[len(header) :]
 
+    def frame(self) -> tuple[bytes, bytes]:
+        """The header's bytes before the name's length byte, and those after the name.
+
+        With both checksums zero: :meth:`expected` is ``head``, the name's length byte, the
+        name and ``tail``, zero-filled to ``HEADER_SIZE`` (the file backend's C reader
+        builds it so).
+        """
+        return self._fixed + self._before, self._after
+
     def expected_checksum(self, raw: bytes | bytearray | memoryview, name: str) -> int | None:
         """The payload checksum ``raw`` records, if ``raw`` is exactly the header for ``name``.
 

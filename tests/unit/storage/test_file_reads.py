@@ -26,7 +26,15 @@ from support.backend_conformance import (
     put_bytes,
 )
 
-from sglang_storage.core import GetOutcome, GetRequest, ObjectKey, ObjectSpec, PutOutcome
+from sglang_storage.core import (
+    DataKind,
+    GetOutcome,
+    GetRequest,
+    ObjectKey,
+    ObjectSpec,
+    PutOutcome,
+    Shard,
+)
 from sglang_storage.storage import FileBackend, FileBackendConfig
 from sglang_storage.storage import file as file_module
 from sglang_storage.storage.format import HEADER_SIZE
@@ -45,7 +53,7 @@ def file_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     if request.param == "native":
         component_or_skip("native")
     else:
-        monkeypatch.setattr(file_module, "_READ_OBJECTS", None)
+        monkeypatch.setattr(file_module, "_READ_REQUESTS", None)
         monkeypatch.setattr(file_module, "_SCAN_FILES", None)
     return str(request.param)
 
@@ -207,6 +215,89 @@ def test_a_batch_gives_each_key_its_outcome(backend: FileBackend) -> None:
             assert target == bytes(big)
 
 
+def test_one_batch_across_namespaces_and_specs_reads_each_from_its_own_place(
+    backend: FileBackend,
+) -> None:
+    """The C reader builds each path and expected header from the request's namespace and
+    spec, anew at every change between neighbours: the same names in other namespaces
+    (another model, kind and shard) and sizes hold other bytes, and runs go back and forth."""
+    spaces = [
+        NS,
+        namespace("reads-b"),
+        namespace("reads", DataKind.EMBEDDING),
+        namespace("reads", shard=Shard(tp_rank=1, tp_size=2)),
+    ]
+    sizes = [SIZE, SIZE + 8, SIZE, SIZE * 2]
+    specs = {nbytes: ObjectSpec.raw(nbytes) for nbytes in [*sizes, SIZE * 3]}  # shared, as usual
+    data: dict[ObjectKey, bytes] = {}
+    stored_as = [
+        (space, name, nbytes)
+        for space, nbytes in zip(spaces, sizes, strict=True)
+        for name in ("same-0", "same-1")
+    ]
+    stored_as.append((NS, "wide", SIZE * 3))  # the first namespace, another spec
+    for space, name, nbytes in stored_as:
+        k = ObjectKey(namespace=space, name=name)
+        data[k] = pattern(k, nbytes)
+        assert put_bytes(backend, k, specs[nbytes], data[k]).ok
+    order = [
+        (0, "same-0"),
+        (0, "same-1"),
+        (0, "wide"),
+        (0, "same-0"),
+        (1, "same-1"),
+        (0, "same-1"),
+        (2, "same-0"),
+        (3, "same-1"),
+        (3, "same-0"),
+        (1, "same-0"),
+        (0, "wide"),
+        (2, "same-1"),
+    ]
+    asked = [
+        (ObjectKey(namespace=spaces[s], name=name), SIZE * 3 if name == "wide" else sizes[s])
+        for s, name in order
+    ]
+    # The last one asks for a stored object with another spec: refused, and kept.
+    asked.append((ObjectKey(namespace=spaces[1], name="same-0"), SIZE))
+    targets = [bytearray(nbytes) for _, nbytes in asked]
+    requests = [
+        GetRequest(key=k, spec=specs[nbytes], buffers=as_buffers(memoryview(t)))
+        for (k, nbytes), t in zip(asked, targets, strict=True)
+    ]
+    results = backend.get_into(requests)
+    assert [r.outcome for r in results] == [GetOutcome.HIT] * len(order) + [GetOutcome.CORRUPT]
+    for (k, _), target in zip(asked[:-1], targets[:-1], strict=True):
+        assert bytes(target) == data[k]
+    assert targets[-1] == bytes(SIZE)
+    kept, _ = get_bytes(backend, asked[-1][0], specs[SIZE + 8])
+    assert kept.outcome is GetOutcome.HIT
+
+
+def test_the_c_reader_refuses_a_layout_of_the_wrong_shape(tmp_path: Path) -> None:
+    """What the C reader is handed is checked: a layout must give three byte strings, a
+    directory without NUL and header parts that fit, else a typed error and nothing read."""
+    component_or_skip("native")
+    read_requests = file_module._READ_REQUESTS
+    assert read_requests is not None
+    backend = FileBackend(FileBackendConfig(root=tmp_path / "store"))
+    k, _ = stored(backend, "layout")
+    request = GetRequest(key=k, spec=ObjectSpec.raw(SIZE), buffers=as_buffers(bytearray(SIZE)))
+    good = backend._layout(k.namespace, request.spec)
+    with pytest.raises(TypeError, match="directory, head, tail"):
+        read_requests([request], lambda _n, _s: (good[0], good[1]))  # type: ignore[arg-type,return-value]
+    with pytest.raises(ValueError, match="NUL"):
+        read_requests([request], lambda _n, _s: (b"/x\0y/", good[1], good[2]))
+    with pytest.raises(ValueError, match="exceed a header"):
+        read_requests([request], lambda _n, _s: (good[0], bytes(HEADER_SIZE), b"x"))
+    with pytest.raises(ZeroDivisionError):
+        read_requests([request], lambda _n, _s: (1 // 0, b"", b""))  # type: ignore[arg-type,return-value]
+    codes, details = read_requests([request], backend._layout)
+    assert codes == bytes([file_module._VERIFIED])
+    assert details == {}
+    backend.close()
+
+
 def test_where_openat2_is_refused_the_part_is_read_from_python(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -218,8 +309,11 @@ def test_where_openat2_is_refused_the_part_is_read_from_python(
         refused = (0, 0, 0, b"", None)
         monkeypatch.setattr(
             file_module,
-            "_READ_OBJECTS",
-            lambda items: (bytes([5] * len(items)), dict.fromkeys(range(len(items)), refused)),
+            "_READ_REQUESTS",
+            lambda requests, _layout: (
+                bytes([5] * len(requests)),
+                dict.fromkeys(range(len(requests)), refused),
+            ),
         )
         result, got = get_bytes(backend, k, ObjectSpec.raw(SIZE))
     assert result.outcome is GetOutcome.HIT
