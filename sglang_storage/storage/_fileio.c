@@ -77,9 +77,21 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-/* xxh3 compiled in (SSE2 or better, as the compiler targets): no library at run time. */
+/* xxh3 compiled in (SSE2 or better, as the compiler targets): no library at run time.
+ * On x86-64 an AVX2 build of its long-input loop is compiled in too, and taken where the
+ * CPU has AVX2 (hash_avx2 below): 48 against 19 GB/s here on 256 KiB. That uses the
+ * header's own dispatch hooks (XXH_DISPATCH_AVX2, as its xxh_x86dispatch.c does) and
+ * internal functions, so only with the xxhash.h release it was written against. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__AVX2__)
+#include <immintrin.h>
+#define XXH_DISPATCH_AVX2 1
+#define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+#endif
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+#if defined(XXH_DISPATCH_AVX2) && XXH_VERSION_NUMBER == 801
+#define HASH_AVX2 1
+#endif
 
 #ifndef SYS_openat2
 #define SYS_openat2 437
@@ -180,18 +192,65 @@ static int header_matches(const Item *item) {
            memcmp(got + DIGEST_AT + 8, want + DIGEST_AT + 8, HEADER_SIZE - DIGEST_AT - 8) == 0;
 }
 
+/* Whether the AVX2 xxh3 loop is used; set once, when the module loads. */
+static int use_avx2 = 0;
+
+#ifdef HASH_AVX2
+/* XXH3_64bits and XXH3_64bits_update with the AVX2 loop: the same hash, bit for bit (the
+ * short-input paths and the final stripes are scalar either way). */
+static XXH_TARGET_AVX2 uint64_t hash_avx2(const void *input, size_t len) {
+    if (len <= XXH3_MIDSIZE_MAX) {
+        return XXH3_64bits(input, len);
+    }
+    return XXH3_hashLong_64b_internal(input, len, XXH3_kSecret, sizeof(XXH3_kSecret),
+                                      XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2);
+}
+
+static XXH_TARGET_AVX2 void update_avx2(XXH3_state_t *state, const void *input, size_t len) {
+    (void)XXH3_update(state, (const xxh_u8 *)input, len, XXH3_accumulate_512_avx2,
+                      XXH3_scrambleAcc_avx2);
+}
+#endif
+
+/* The xxh3-64 of input[0..len), with the fastest loop this CPU runs. */
+static uint64_t hash(const void *input, size_t len, int avx2) {
+#ifdef HASH_AVX2
+    if (avx2) {
+        return hash_avx2(input, len);
+    }
+#endif
+    (void)avx2;
+    return XXH3_64bits(input, len);
+}
+
+/* XXH3_64bits_update with the fastest loop this CPU runs. */
+static void hash_update(XXH3_state_t *state, const void *input, size_t len, int avx2) {
+#ifdef HASH_AVX2
+    if (avx2) {
+        update_avx2(state, input, len);
+        return;
+    }
+#endif
+    (void)avx2;
+    (void)XXH3_64bits_update(state, input, len);
+}
+
 /* The xxh3-64 of the concatenation of payload[0..n). */
-static uint64_t digest_of(const struct iovec *payload, Py_ssize_t n) {
+static uint64_t digest_with(const struct iovec *payload, Py_ssize_t n, int avx2) {
     if (n == 1) {
-        return XXH3_64bits(payload[0].iov_base, payload[0].iov_len);
+        return hash(payload[0].iov_base, payload[0].iov_len, avx2);
     }
     XXH3_state_t state;
     XXH3_INITSTATE(&state);
     XXH3_64bits_reset(&state);
     for (Py_ssize_t i = 0; i < n; i++) {
-        XXH3_64bits_update(&state, payload[i].iov_base, payload[i].iov_len);
+        hash_update(&state, payload[i].iov_base, payload[i].iov_len, avx2);
     }
     return XXH3_64bits_digest(&state);
+}
+
+static uint64_t digest_of(const struct iovec *payload, Py_ssize_t n) {
+    return digest_with(payload, n, use_avx2);
 }
 
 /* Verify what was read; ``streamed`` is the payload's digest when the read took it
@@ -272,8 +331,8 @@ static void hash_payload(XXH3_state_t *state, const Item *item, const struct iov
         long long lo = from < HEADER_SIZE ? HEADER_SIZE : from;
         long long hi = to > end ? end : to;
         if (lo < hi) {
-            XXH3_64bits_update(state, (const char *)part[k].iov_base + (lo - from),
-                               (size_t)(hi - lo));
+            hash_update(state, (const char *)part[k].iov_base + (lo - from), (size_t)(hi - lo),
+                        use_avx2);
         }
         offset = to;
     }
@@ -1094,7 +1153,51 @@ done:
     return result;
 }
 
+/* Whether this build and CPU run the AVX2 xxh3 loop. */
+static int avx2_available(void) {
+#ifdef HASH_AVX2
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+static PyObject *digest(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *buffers;
+    int avx2;
+    if (!PyArg_ParseTuple(args, "Op:digest", &buffers, &avx2)) {
+        return NULL;
+    }
+    if (avx2 && !avx2_available()) {
+        PyErr_SetString(PyExc_ValueError, "digest: no AVX2 loop in this build or on this CPU");
+        return NULL;
+    }
+    Py_ssize_t count = buffer_count(buffers, 0);
+    if (count < 0) {
+        return NULL;
+    }
+    Held held = {NULL, 0, NULL};
+    PyObject *result = NULL;
+    Py_ssize_t slot = 0;
+    long long total = 0;
+    if (held_alloc(&held, count) == 0 && held_take(&held, &slot, buffers, PyBUF_SIMPLE, &total) == 0) {
+        uint64_t value;
+        Py_BEGIN_ALLOW_THREADS
+        value = digest_with(held.iov, count, avx2);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromUnsignedLongLong(value);
+    }
+    held_release(&held);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"digest", digest, METH_VARARGS,
+     "digest(buffers, avx2) -> int: the xxh3-64 of the buffers' concatenation, as reads and "
+     "writes take it, with the AVX2 loop or without (ValueError where there is none; "
+     "AVX2 says whether reads and writes use it)."},
     {"read_requests", read_requests, METH_VARARGS,
      "read_requests(requests, layout) -> tuple[bytes, dict[int, tuple[int, int, int, bytes, "
      "int | None]]]: open (openat2, no links, non-blocking), read, close and verify the "
@@ -1128,6 +1231,7 @@ PyMODINIT_FUNC PyInit__fileio(void) {
         s_name == NULL) {
         return NULL;
     }
+    use_avx2 = avx2_available();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) {
         return NULL;
@@ -1141,7 +1245,8 @@ PyMODINIT_FUNC PyInit__fileio(void) {
         PyModule_AddIntConstant(m, "VERIFIED", VERIFIED) < 0 ||
         PyModule_AddIntConstant(m, "STORED", STORED) < 0 ||
         PyModule_AddIntConstant(m, "RETRY", RETRY) < 0 ||
-        PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0) {
+        PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0 ||
+        PyModule_AddObjectRef(m, "AVX2", use_avx2 ? Py_True : Py_False) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -12,6 +12,7 @@ bit flip, and a batch mixing them.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from sglang_storage.core import (
 )
 from sglang_storage.storage import FileBackend, FileBackendConfig
 from sglang_storage.storage import file as file_module
-from sglang_storage.storage.format import HEADER_SIZE
+from sglang_storage.storage.format import HEADER_SIZE, checksum
 
 NS = namespace("reads")
 SIZE = 3000
@@ -436,3 +437,22 @@ def test_large_cached_objects_are_read_and_checked_in_parts(backend: FileBackend
         result, got = get_bytes(backend, k, ObjectSpec.raw(big), parts=7)
         assert result.outcome is outcome, k
         assert got in (bytes(big), bytes([SENTINEL]) * big)
+
+
+@pytest.mark.parametrize("avx2", [False, True], ids=["sse2", "avx2"])
+def test_both_checksum_loops_give_xxh3_bit_for_bit(avx2: bool) -> None:
+    """The C reader and writer take xxh3 with an AVX2 loop where the CPU has one, else the
+    baseline one: each gives the format's checksum (the ``xxhash`` package's) for lengths
+    around every internal boundary, whole or in parts cut anywhere."""
+    component_or_skip("native")
+    fileio = file_module._FILEIO
+    assert fileio is not None
+    if avx2 and not fileio.AVX2:
+        pytest.skip("this CPU (or build) has no AVX2 loop")
+    rng = random.Random(25)
+    for length in (0, 1, 16, 128, 240, 241, 1024, 1025, 64 << 10, (256 << 10) + 7, 1 << 20):
+        data = rng.randbytes(length)
+        cuts = sorted(rng.randrange(length + 1) for _ in range(3))
+        parts = [data[a:b] for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
+        assert fileio.digest([data], avx2) == checksum([memoryview(data)]), length
+        assert fileio.digest(parts, avx2) == checksum([memoryview(data)]), (length, cuts)
