@@ -175,14 +175,9 @@ class MemoryBackend:
         except StorageError as error:
             return PutResult.error_of(request.key, error)
         try:
-            stored = bytearray(size)
-            stored[:HEADER_SIZE] = encode_header(
-                request.key, request.spec, checksum(request.buffers)
-            )
-            offset = HEADER_SIZE
-            for buffer in request.buffers:
-                stored[offset : offset + buffer.nbytes] = buffer
-                offset += buffer.nbytes
+            # One allocation of the final size, filled by copying (no zero fill first).
+            header = encode_header(request.key, request.spec, checksum(request.buffers))
+            stored = bytearray().join((header, *request.buffers))
         except BaseException:
             self._index.release(size)
             raise
