@@ -1174,10 +1174,11 @@ static PyObject *digest(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "digest: no AVX2 loop in this build or on this CPU");
         return NULL;
     }
-    Py_ssize_t count = buffer_count(buffers, 0);
-    if (count < 0) {
+    if (!PyList_CheckExact(buffers) && !PyTuple_CheckExact(buffers)) {
+        PyErr_SetString(PyExc_TypeError, "digest: buffers must be a list or tuple");
         return NULL;
     }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(buffers);
     Held held = {NULL, 0, NULL};
     PyObject *result = NULL;
     Py_ssize_t slot = 0;

@@ -648,10 +648,10 @@ class FileBackend:
     def _get_native(
         self, read_requests: _ReadRequests, requests: Sequence[GetRequest]
     ) -> list[GetResult]:
-        # The I/O threads build each path and expected header, open, read, verify (header
-        # and xxh3, each payload while it is in the core's cache) and close in C, without
-        # the GIL but for the first; this thread builds the hits, and says why of anything
-        # else (_finish, as for the Python reader).
+        # Each I/O thread builds its part's paths and expected headers in C (GIL held),
+        # then opens, reads, verifies (header and xxh3, each payload while it is in the
+        # core's cache) and closes without the GIL; this thread builds the hits, and says
+        # why of anything else (_finish, as for the Python reader).
         layout = self._layout
 
         def read(part: list[GetRequest]) -> tuple[bytes, dict[int, _Row]]:

@@ -135,6 +135,8 @@ class HeaderTemplate:
             )
         self._before = b"".join(bytes([len(raw)]) + raw for raw in before)
         self._after = b"".join(bytes([len(raw)]) + raw for raw in after)
+        self._name_head = self._fixed + self._before
+        """Every byte of the header before the name's length byte (checksums zero)."""
         # What a read header is compared with, field by field (see expected_checksum).
         self._head = self._fixed[:_CRC_OFFSET]
         self._lengths = self._fixed[16:24]
@@ -173,7 +175,7 @@ class HeaderTemplate:
         payload). Names that do not fit give a header no stored object has.
         """
         raw = name.encode()
-        header = b"".join((self._fixed, self._before, bytes([len(raw) & 0xFF]), raw, self._after))
+        header = b"".join((self._name_head, bytes([len(raw) & 0xFF]), raw, self._after))
         if len(header) > HEADER_SIZE or len(raw) > 255:
             return _ZEROS
         return header + _ZEROS[len(header) :]
@@ -185,7 +187,7 @@ class HeaderTemplate:
         name and ``tail``, zero-filled to ``HEADER_SIZE`` (the file backend's C reader
         builds it so).
         """
-        return self._fixed + self._before, self._after
+        return self._name_head, self._after
 
     def expected_checksum(self, raw: bytes | bytearray | memoryview, name: str) -> int | None:
         """The payload checksum ``raw`` records, if ``raw`` is exactly the header for ``name``.

@@ -456,3 +456,5 @@ def test_both_checksum_loops_give_xxh3_bit_for_bit(avx2: bool) -> None:
         parts = [data[a:b] for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
         assert fileio.digest([data], avx2) == checksum([memoryview(data)]), length
         assert fileio.digest(parts, avx2) == checksum([memoryview(data)]), (length, cuts)
+    with pytest.raises(TypeError, match="list or tuple"):
+        fileio.digest(b"not a list of buffers", avx2)
