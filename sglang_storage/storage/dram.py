@@ -7,6 +7,7 @@ corruption detection.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -81,6 +82,10 @@ class MemoryBackend:
             self._config.capacity_bytes, eviction, owner="memory backend"
         )
         self._objects: dict[ObjectKey, bytearray] = {}
+        # Which put stored each object: how repair tells it from a later one of the same key
+        # (``id()`` is no such thing: a new object may get a freed one's address).
+        self._born: dict[ObjectKey, int] = {}
+        self._puts = itertools.count()
         self._lock = threading.Lock()
         self._stats = StatsRecorder()
         self._closed = False
@@ -149,6 +154,7 @@ class MemoryBackend:
         with self._lock:
             if self._objects.get(key) is stored:
                 del self._objects[key]
+                self._born.pop(key, None)
                 self._index.remove(key)
 
     def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
@@ -165,6 +171,7 @@ class MemoryBackend:
             if held is not None and len(held) != size:
                 # Torn, or of another shape: never acknowledged as stored; replaced.
                 del self._objects[request.key]
+                self._born.pop(request.key, None)
                 self._index.remove(request.key)
                 held = None
         if held is not None:
@@ -184,7 +191,9 @@ class MemoryBackend:
         with self._lock:
             for victim in victims:
                 self._objects.pop(victim, None)
+                self._born.pop(victim, None)
             self._objects[request.key] = stored
+            self._born[request.key] = next(self._puts)
         self._index.commit(request.key, size)
         self._stats.record_evicted(len(victims))
         return PutResult.stored_of(request)
@@ -196,6 +205,7 @@ class MemoryBackend:
         with self._lock:
             for key in keys:
                 if self._objects.pop(key, None) is not None:
+                    self._born.pop(key, None)
                     removed += 1
         for key in keys:
             self._index.remove(key)
@@ -208,6 +218,7 @@ class MemoryBackend:
             doomed = [key for key in self._objects if key.namespace == namespace]
             for key in doomed:
                 del self._objects[key]
+                self._born.pop(key, None)
         for key in doomed:
             self._index.remove(key)
 
@@ -237,8 +248,8 @@ class MemoryBackend:
         """Report every object held (checked like a read checks it); changes nothing."""
         self._check_open()
         with self._lock:
-            held = list(self._objects.items())
-        for key, stored in held:
+            held = [(key, stored, self._born.get(key, -1)) for key, stored in self._objects.items()]
+        for key, stored, born in held:
             view = memoryview(stored)
             check = inspect_header(view[:HEADER_SIZE], where=str(key), expected=key, model=model)
             digest: int | None = None
@@ -251,7 +262,7 @@ class MemoryBackend:
                 nbytes=len(stored),
                 key=key,
                 reason=check.reason,
-                identity=id(stored),
+                identity=born,
             )
 
     def repair(self, reports: Sequence[ObjectReport]) -> list[RepairResult]:
@@ -264,10 +275,10 @@ class MemoryBackend:
                 results.append(RepairResult(report=report, action=RepairAction.KEPT))
                 continue
             with self._lock:
-                stored = self._objects.get(key)
-                current = stored is not None and id(stored) == report.identity
+                current = key in self._objects and self._born.get(key) == report.identity
                 if current:
                     del self._objects[key]
+                    del self._born[key]
             if not current:
                 results.append(
                     RepairResult(report=report, action=RepairAction.GONE, reason="not there now")
@@ -283,6 +294,7 @@ class MemoryBackend:
         with self._lock:
             self._closed = True
             self._objects.clear()
+            self._born.clear()
 
     def _check_open(self) -> None:
         if self._closed:
