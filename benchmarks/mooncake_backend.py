@@ -27,8 +27,10 @@ registered once with each client. Four sides per row:
   machine; ``staged`` or ``zero-copy`` / ``bound`` is what our code adds beyond it.
 
 Rows ``put`` (every page in batches of ``--batch`` keys into an emptied cluster), ``get``
-(every page read back and compared) and ``exists`` (keys per second). It prints the
-median of ``--repeats`` samples, sides interleaved in a rotating order, and ratios to
+(every page read back and compared) and ``exists`` (keys per second; ``--exists-passes``
+passes over every key per round, as it moves no payload and one pass is a few short RPCs).
+It prints the median of ``--repeats`` samples (exists: of every pass), sides interleaved in
+a rotating order, and ratios to
 ``raw`` (> 1 means faster than raw): the median over rounds of the ratio within a round,
 where both sides saw the same machine load. The goal (issue 8) is an overhead under 10%, a
 ratio >= 0.90x. Progress (one line per step, with the time elapsed) goes to stderr.
@@ -264,18 +266,23 @@ Side = Ours | Raw | Bound
 SIDES = ("staged", "zero-copy", "raw", "raw+hdr", "bound")
 
 
-def timed(run: Callable[[], None]) -> float:
-    """Seconds ``run`` takes."""
-    gc.collect()
+def timed(run: Callable[[], None], *, collect: bool = True) -> float:
+    """Seconds ``run`` takes (after a garbage collection, with ``collect``)."""
+    if collect:
+        gc.collect()
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
 
 
 def measure(
-    sides: dict[str, Side], pages: Pages, cluster: MooncakeCluster, repeats: int
+    sides: dict[str, Side],
+    pages: Pages,
+    cluster: MooncakeCluster,
+    repeats: int,
+    exists_passes: int,
 ) -> dict[str, dict[str, list[float]]]:
-    """Seconds of every round, per row and side."""
+    """Seconds of every round (exists: of every pass of every round), per row and side."""
     samples: dict[str, dict[str, list[float]]] = {
         row: {name: [] for name in sides} for row in ("put", "get", "exists")
     }
@@ -288,9 +295,13 @@ def measure(
         for name in order:
             samples["get"][name].append(timed(sides[name].get))
             pages.check(name)
-        for name in order:
-            if name not in ("raw+hdr", "bound"):
-                samples["exists"][name].append(timed(sides[name].exists))
+        # Exists moves no payload: a pass is a few short RPCs, so many passes per round,
+        # each timing the sides back to back in a rotating order.
+        asking = [name for name in names if name not in ("raw+hdr", "bound")]
+        for p in range(exists_passes):
+            shift = (repeat + p) % len(asking)
+            for name in asking[shift:] + asking[:shift]:
+                samples["exists"][name].append(timed(sides[name].exists, collect=False))
     return samples
 
 
@@ -332,6 +343,9 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=64, help="bytes per size and side")
     parser.add_argument("--batch", type=int, default=32, help="keys per call")
     parser.add_argument("--repeats", type=int, default=7, help="samples per row (median)")
+    parser.add_argument(
+        "--exists-passes", type=int, default=20, help="exists passes per round (all paired)"
+    )
     parser.add_argument("--quick", action="store_true", help="32 MiB, 5 repeats")
     args = parser.parse_args()
     if args.quick:
@@ -357,7 +371,8 @@ def main() -> None:
             raise SystemExit("raw client setup failed")
         print(  # noqa: T201
             f"mooncake over loopback TCP to a segment process; batch {args.batch}, "
-            f"{args.total_mib} MiB per size and side, median of {args.repeats}; "
+            f"{args.total_mib} MiB per size and side, median of {args.repeats}"
+            f" (exists: {args.repeats} x {args.exists_passes} passes); "
             "GiB/s (exists: thousand keys/s), and the median ratio to raw of the same round"
         )
         print(f"{'page':>7} {'row':>6} " + " ".join(f"{n:>17}" for n in SIDES))  # noqa: T201
@@ -379,7 +394,7 @@ def main() -> None:
                 "raw+hdr": Raw(raw, pages, args.batch, header=True),
                 "bound": Bound(raw, pages, args.batch),
             }
-            samples = measure(sides, pages, cluster, args.repeats)
+            samples = measure(sides, pages, cluster, args.repeats, args.exists_passes)
             for row, by in samples.items():
                 cells = []
                 for name in SIDES:

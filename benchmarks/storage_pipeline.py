@@ -7,7 +7,11 @@ of ``pages`` pages of ``page-kib`` KiB to and from one store, three ways, in one
 - ``direct``: ``store.put_from`` / ``store.get_into`` per batch, in a loop;
 - ``one-by-one``: ``StoragePipeline.submit_*`` per batch, waiting for each result before
   the next submission (the pipeline's full per-operation cost, no overlap);
-- ``pipelined``: every batch submitted at once, then all results awaited (workers overlap).
+- ``pipelined``: every batch submitted at once, then all results awaited (workers overlap);
+- ``thread-only``: not the pipeline: the same direct calls made on a plain thread of their
+  own and timed there (no hand-off counted), paired with direct calls on the main thread.
+  It shows what running the store's work on another thread than the caller's costs by
+  itself (its "pipeline" columns are that thread's), which the pipeline's rows include.
 
 Each pipeline run is timed right next to a direct run of the same size (order alternating),
 so both see the same machine load, and both move the same bytes: the two puts of a page
@@ -67,6 +71,7 @@ import ctypes
 import ctypes.util
 import math
 import os
+import queue
 import statistics
 import threading
 import time
@@ -225,6 +230,52 @@ def _pair(first: Callable[[], None], second: Callable[[], None], swap: bool) -> 
     return (times[1], times[0]) if swap else (times[0], times[1])
 
 
+class PlainThread:
+    """One thread that runs what it is given and times it there (no pipeline, no hand-off)."""
+
+    def __init__(self) -> None:
+        self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._seconds: queue.Queue[float] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="bench-plain", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (run := self._work.get()) is not None:
+            started = time.perf_counter()
+            run()
+            self._seconds.put(time.perf_counter() - started)
+
+    def seconds(self, run: Callable[[], None]) -> float:
+        """Seconds ``run`` took on this thread."""
+        self._work.put(run)
+        return self._seconds.get()
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._work.put(None)
+        self._thread.join()
+
+
+def _pair_seconds(
+    first: Callable[[], float], second: Callable[[], float], swap: bool
+) -> tuple[float, float]:
+    """What ``first`` and ``second`` report, called back to back, in swapped order if ``swap``."""
+    if swap:
+        later = second()
+        return first(), later
+    earlier = first()
+    return earlier, second()
+
+
+def _on_main(run: Callable[[], None]) -> Callable[[], float]:
+    def timed() -> float:
+        started = time.perf_counter()
+        run()
+        return time.perf_counter() - started
+
+    return timed
+
+
 @attrs.frozen
 class Row:
     """Paired timings of one row: each direct run next to its pipeline run."""
@@ -303,8 +354,18 @@ def bench(
     """Rows by (op, mode), and the no-I/O exists row; one progress step per round."""
     ours = Namespace(model="bench-pipeline", kind=DataKind.KV)
     theirs = Namespace(model="bench-direct", kind=DataKind.KV)
+    plain = Namespace(model="bench-thread", kind=DataKind.KV)
+    main_thread = Namespace(model="bench-main", kind=DataKind.KV)
     page_bytes = args.page_kib << 10
     pipe_puts, direct_puts, gets = _requests(ours, theirs, args.batches, args.pages, page_bytes)
+
+    def same_pages(namespace: Namespace) -> list[list[PutRequest]]:
+        return [
+            [PutRequest(key=namespace.key(r.key.name), spec=r.spec, buffers=r.buffers) for r in b]
+            for b in direct_puts
+        ]
+
+    thread_puts, main_puts = same_pages(plain), same_pages(main_thread)
     keys = [r.key for r in pipe_puts[0]]
     config = StoragePipelineConfig(
         workers=args.workers, batch_pages=args.pages, queue_depth=max(16, args.batches)
@@ -317,8 +378,22 @@ def bench(
     def clear() -> None:
         store.clear(ours)
         store.clear(theirs)
+        store.clear(plain)
+        store.clear(main_thread)
 
+    thread = PlainThread()
     with StoragePipeline(store, config) as pipeline:
+
+        def thread_only(op: str, b: int) -> tuple[Callable[[], float], Callable[[], float]]:
+            if op == "put":
+                return (
+                    _on_main(lambda: _check(store.put_from(main_puts[b]))),
+                    lambda: thread.seconds(lambda: _check(store.put_from(thread_puts[b]))),
+                )
+            return (
+                _on_main(lambda: _check(store.get_into(gets[b]))),
+                lambda: thread.seconds(lambda: _check(store.get_into(gets[b]))),
+            )
 
         def serial(op: str, b: int) -> tuple[Callable[[], None], Callable[[], None]]:
             if op == "put":
@@ -356,6 +431,9 @@ def bench(
                     rounds.setdefault((op, "one-by-one"), []).append(
                         _pair(*serial(op, b), swap=(repeat + b) % 2 == 1)
                     )
+                    rounds.setdefault((op, "thread-only"), []).append(
+                        _pair_seconds(*thread_only(op, b), swap=(repeat + b) % 2 == 0)
+                    )
                 if op == "put":
                     clear()
                 rounds[(op, "pipelined")] = [_pair(*overlapped(op), swap=repeat % 2 == 1)]
@@ -372,6 +450,7 @@ def bench(
                 for row, measured in rounds.items():
                     pairs.setdefault(row, []).extend(measured)
                 exists_pairs.extend(round_exists)
+    thread.close()
     rows = {
         (op, mode): Row(
             pages=args.pages * (args.batches if mode == "pipelined" else 1), pairs=tuple(measured)
