@@ -456,7 +456,7 @@ class _InFlight:
     def __exit__(self, *exc_info: object) -> None:
         with self._lock:
             self._active -= 1
-            if not self._active:
+            if self._closed and not self._active:  # only a close waits, once closed
                 self._idle.notify_all()
 
     def close_locked(self) -> bool:

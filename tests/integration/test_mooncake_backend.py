@@ -538,3 +538,42 @@ def test_missing_client_names_the_install(monkeypatch: pytest.MonkeyPatch) -> No
                 master_address="127.0.0.1:1", metadata_server="http://127.0.0.1:2/metadata"
             )
         )
+
+
+def test_close_waits_for_the_calls_in_flight_and_then_refuses_new_ones() -> None:
+    from sglang_storage.storage.mooncake import _InFlight
+
+    lock = threading.Lock()
+    calls = _InFlight(lock, "mooncake")
+    inside, leave = threading.Event(), threading.Event()
+    closed: list[float] = []
+
+    def call() -> None:
+        with calls:
+            inside.set()
+            leave.wait(10)
+
+    def close() -> None:
+        with lock:
+            assert calls.close_locked()
+        closed.append(time.monotonic())
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert inside.wait(10)
+    with calls:  # a second call, begun and ended while the first runs, wakes no one
+        pass
+    closer = threading.Thread(target=close)
+    closer.start()
+    time.sleep(0.2)
+    assert not closed, "close returned while a call was in flight"
+    left = time.monotonic()
+    leave.set()
+    caller.join(10)
+    closer.join(10)
+    assert closed, "close never returned"
+    assert closed[0] >= left, "close returned before the call in flight ended"
+    with pytest.raises(BackendUnavailableError), calls:
+        pass
+    with lock:
+        assert not calls.close_locked(), "a second close is not the first"
