@@ -39,18 +39,21 @@ dict store defined here; the first line says which. The goal is under 10% overhe
 one-by-one at 64 pages x 256 KiB; the last line says whether the worst row's median meets
 it. Progress (one line per round, with the time elapsed) goes to stderr.
 
-Puts into the ``memory`` backend allocate a fresh buffer per page. With glibc's default
-settings the main thread's arena gives freed memory back to the OS while worker threads'
-arenas keep it, so direct puts (main thread) pay page faults that pipeline puts (worker
-threads) do not, and put rows would mostly measure that. By default (``--malloc steady``)
-the benchmark therefore sets ``mallopt`` so that no arena trims or maps large blocks
-separately; ``--malloc default`` leaves glibc as it is. Even so, each thread still
-allocates from an arena of its own, and on some machines ``put_from`` fills memory from
-the worker threads' arenas more slowly than from the main thread's: put rows can then trail
-for a reason outside the pipeline's own work (direct puts made from another thread than
-the main one trail the same way). ``--malloc one-arena`` also makes every thread allocate
-from the main arena (``M_ARENA_MAX=1``), so both sides fill the same memory; the
-``malloc:`` line says which setting ran.
+Puts into the ``memory`` backend allocate a fresh buffer per page, on the thread that
+calls the store: the main thread for direct puts, a worker for the pipeline's. With
+glibc's default settings the main thread's arena gives freed memory back to the OS while
+worker threads' arenas keep it, so direct puts would pay page faults that pipeline puts do
+not; and each thread allocates from an arena of its own, whose memory fills at a speed of
+its own: on the 2-core machine this project is measured on, the pipeline's put rows moved
+by tens of percent from one process to the next while its get rows, which allocate
+nothing, held steady, and with one arena for all threads put and get cost the pipeline
+the same per operation (the README has the numbers). Put rows would then measure the
+allocator, not the pipeline. By default (``--malloc one-arena``) the benchmark therefore
+sets ``mallopt`` so that no arena trims or maps large blocks separately and every thread
+allocates from the main arena (``M_ARENA_MAX=1``), so both sides fill the same memory;
+``--malloc steady`` keeps an arena per thread (no trimming), ``--malloc default`` leaves
+glibc as it is. The ``malloc:`` line says which setting ran. The ``thread-only`` rows time
+the same calls on a plain thread under the same setting.
 
 Placement (``--placement``): by default the benchmark runs twice, first with the process
 (the caller and the pipeline's workers) pinned to one CPU, then free to use every CPU it
@@ -488,10 +491,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--malloc",
-        choices=("steady", "one-arena", "default"),
-        default="steady",
-        help="steady: no arena trims (see the module docstring); one-arena: also one arena"
-        " for every thread",
+        choices=("one-arena", "steady", "default"),
+        default="one-arena",
+        help="one-arena: every thread allocates from one arena, never trimmed (see the module"
+        " docstring); steady: an arena per thread, never trimmed; default: glibc as it is",
     )
     args = parser.parse_args()
     if args.repeats < 1 or args.batches < 1 or args.exists_pairs < 1:
