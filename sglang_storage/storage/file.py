@@ -660,7 +660,8 @@ class FileBackend:
         results: list[GetResult] = []
         touch, slot, hit = self._index.touch, self._slot, GetResult.hit_of
         start = 0
-        for codes, details in self._threads.map_parts(read, requests):
+        sizes = [request.nbytes for request in requests]
+        for codes, details in self._threads.map_parts(read, requests, sizes=sizes, kind="read"):
             part = requests[start : start + len(codes)]
             if not details:  # all verified, the usual case
                 for request in part:
@@ -698,7 +699,8 @@ class FileBackend:
             # one).
             _read_part(reads)
         else:
-            self._threads.map_parts(_read_part, reads)
+            sizes = [request.nbytes for request in requests]
+            self._threads.map_parts(_read_part, reads, sizes=sizes, kind="read")
         return [self._finish(read) for read in reads]
 
     def put_from(self, requests: Sequence[PutRequest]) -> list[PutResult]:
@@ -758,8 +760,11 @@ class FileBackend:
             )
         modes = (self._file_bits, self._file_exact, self._dir_bits, self._dir_exact)
         sync = self._config.durability is Durability.DATA
+        sizes = [requests[at].nbytes for at, _ in native]
         codes = b"".join(
-            self._threads.map_parts(lambda part: write_objects(part, modes, sync), items)
+            self._threads.map_parts(
+                lambda part: write_objects(part, modes, sync), items, sizes=sizes, kind="write"
+            )
         )
         results: list[PutResult | None] = [None] * len(requests)
         for code, (at, slot) in zip(codes, native, strict=True):

@@ -29,6 +29,7 @@ Used by the ``file`` and ``hf3fs`` backends:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import datetime
@@ -43,7 +44,9 @@ import secrets
 import shutil
 import socket
 import stat
+import statistics
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,6 +109,12 @@ R = TypeVar("R")
 class IOThreads:
     """A batch spread over ``threads`` threads: the caller's and a pool started on first use.
 
+    :meth:`map_parts` learns how late the pool's threads start on a part (the wake-up of a
+    thread, long on a virtual machine) and how long this kind of work takes per byte, and
+    gives the caller's own part that much more work, so that every part ends at about the
+    same time and the caller does not sleep waiting for the pool; a batch too small to
+    gain from the pool runs on the caller's thread alone.
+
     Args:
         threads: Threads a batch is spread over (1: everything on the caller's thread).
         backend: The backend's name, for errors and thread names.
@@ -117,6 +126,10 @@ class IOThreads:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        # How late pool parts started in recent batches (a median resists one slow wake-up).
+        self._lags: collections.deque[float] = collections.deque(maxlen=_LAGS)
+        self._alone = 0  # batches run on the caller's thread alone since the pool last ran
+        self._pace: dict[tuple[str, int], float] = {}  # seconds per byte, by work and size
 
     def spread(self, work: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """``work`` of every item, in order, in contiguous parts on the threads.
@@ -144,18 +157,94 @@ class IOThreads:
             results.extend(_run_all(work, part))
         return results
 
-    def map_parts(self, work: Callable[[list[T]], R], items: Sequence[T]) -> list[R]:
+    def map_parts(
+        self,
+        work: Callable[[list[T]], R],
+        items: Sequence[T],
+        *,
+        sizes: Sequence[int] | None = None,
+        kind: str = "",
+    ) -> list[R]:
         """What ``work`` returns for each contiguous part of ``items``, in the parts' order.
 
-        One part (a list) per thread.
+        At most one part per thread, the first on the caller's thread. ``sizes`` are the
+        items' bytes (default: 1 each) and ``kind`` names the work; together they tell
+        which past batches this one's pace is learned from.
 
         Raises:
             BackendUnavailableError: the threads were closed.
         """
         if self._threads == 1 or len(items) < 2:
             return [work(list(items))]
-        chunk = -(-len(items) // self._threads)
-        return self.spread(work, [list(items[i : i + chunk]) for i in range(0, len(items), chunk)])
+        weights = [1] * len(items) if sizes is None else list(sizes)
+        key = (kind, max(1, sum(weights) // len(weights)).bit_length())
+        cuts = self._cuts(weights, self._pace.get(key))
+        if len(cuts) == 2 and self._alone >= _LAGS:
+            cuts = self._cuts(weights, None)  # the pool again, now and then: is it still late?
+        if len(cuts) == 2:  # the caller alone: no pool part would start in time to help
+            self._alone += 1
+            started = time.perf_counter()
+            whole = work(list(items))
+            self._learn(key, sum(weights), time.perf_counter() - started, None)
+            return [whole]
+        self._alone = 0
+        pool = self._executor()
+        futures = []
+        inline: list[list[T]] = []
+        for at in range(1, len(cuts) - 1):
+            part = list(items[cuts[at] : cuts[at + 1]])
+            try:
+                futures.append(pool.submit(_timed, work, part))
+            except RuntimeError:  # the interpreter is exiting: the pool takes no more work
+                inline = [list(items[cuts[i] : cuts[i + 1]]) for i in range(at, len(cuts) - 1)]
+                break
+        started = time.perf_counter()
+        results = [work(list(items[: cuts[1]]))]
+        mine = time.perf_counter() - started
+        lag = 0.0
+        for future in futures:
+            began, result = future.result()
+            lag = max(lag, began - started)
+            results.append(result)
+        results += [work(part) for part in inline]  # after the submitted parts, in order
+        self._learn(key, sum(weights[: cuts[1]]), mine, lag if futures else None)
+        return results
+
+    def _cuts(self, weights: list[int], pace: float | None) -> list[int]:
+        """Where the parts of a batch of items of ``weights`` begin, and its end.
+
+        The caller's part is ahead by what it does while the pool's threads start, so the
+        pool's parts (which share the rest evenly by weight) end before it and the caller
+        never sleeps waiting for them.
+        """
+        count, total = len(weights), sum(weights)
+        parts = min(self._threads, count)
+        ahead = 0.0
+        if pace is not None and pace > 0 and self._lags:
+            lag = statistics.median(self._lags)
+            ahead = _MARGIN * lag / pace  # the weight the caller does before a pool part starts
+        share = (total - ahead) / parts  # each pool part's weight
+        if share <= 0:
+            return [0, count]
+        cuts, goal, running = [0], total - (parts - 1) * share, 0
+        for at, weight in enumerate(weights):
+            if len(cuts) == parts:
+                break
+            if running + weight / 2 > goal and at > cuts[-1]:
+                cuts.append(at)
+                goal += share
+            running += weight
+        cuts.append(count)
+        return cuts
+
+    def _learn(self, key: tuple[str, int], weight: int, seconds: float, lag: float | None) -> None:
+        """Fold one batch into the estimates (a lost race between threads loses a sample)."""
+        if weight > 0:
+            pace = seconds / weight
+            before = self._pace.get(key)
+            self._pace[key] = pace if before is None else before + _ALPHA * (pace - before)
+        if lag is not None:
+            self._lags.append(lag)
 
     def close(self) -> None:
         """Stop the pool after the work in flight; later batches raise."""
@@ -177,6 +266,21 @@ class IOThreads:
                     thread_name_prefix=f"sglang-storage-{self._backend}",
                 )
             return self._pool
+
+
+_ALPHA: Final = 0.25
+"""Weight of the newest batch in :class:`IOThreads`' moving average of a work's pace."""
+_MARGIN: Final = 1.25
+"""How much more than the pool's start delay the caller's part is ahead: a pool part that
+ends after the caller's costs the caller a wake-up; one that ends a little before, nothing."""
+_LAGS: Final = 16
+"""Recent pool start delays :class:`IOThreads` takes the median of; also how many batches
+in a row it runs on the caller's thread alone before it tries the pool again."""
+
+
+def _timed(work: Callable[[list[T]], R], part: list[T]) -> tuple[float, R]:
+    """When ``work`` of ``part`` began on this thread, and what it returned."""
+    return time.perf_counter(), work(part)
 
 
 def _run_all(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
