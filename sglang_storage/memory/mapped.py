@@ -92,6 +92,8 @@ THP_DIR: Final = Path("/sys/kernel/mm/transparent_hugepage")
 """Where the kernel's transparent huge page knobs live."""
 
 _SMAPS: Final = Path("/proc/self/smaps")
+_PAGEMAP: Final = Path("/proc/self/pagemap")
+_PAGEMAP_CHUNK: Final = 1 << 17  # entries read at once (1 MiB)
 _HUGE_FIELDS: Final = ("AnonHugePages", "ShmemPmdMapped", "FilePmdMapped")
 _MADV_POPULATE_READ: Final = 22
 _MADV_POPULATE_WRITE: Final = 23
@@ -207,7 +209,11 @@ class BackingReport:
     """What backs a mapping now, from ``/proc/self/smaps`` (kB, as the kernel reports)."""
 
     mapped_kb: int = attrs.field(validator=non_negative_int)
-    """Resident kB of the mapping (``Rss``)."""
+    """Resident kB of the mapping (``Rss``). Where the mapping is part of a larger area
+    (the kernel merged it with a neighbour, or it is a view into a bigger mapping), smaps
+    counts the whole area; then the range's own pages are counted one by one
+    (``/proc/self/pagemap``), and the huge-page fields below, which smaps gives only for
+    the whole area, are capped at this value."""
     anon_huge_kb: int = attrs.field(validator=non_negative_int)
     """``AnonHugePages``: anonymous memory in transparent huge pages."""
     shmem_huge_kb: int = attrs.field(validator=non_negative_int)
@@ -294,7 +300,7 @@ def read_backing(address: int, nbytes: int, *, huge_pages_asked: bool) -> Backin
     """The :class:`BackingReport` of ``[address, address + nbytes)``, summed over its VMAs."""
     totals = dict.fromkeys(("Rss", *_HUGE_FIELDS), 0)
     end = address + nbytes
-    inside = found = False
+    inside = found = wider = False
     try:
         with _SMAPS.open(encoding="ascii", errors="replace") as smaps:
             for line in smaps:
@@ -303,6 +309,7 @@ def read_backing(address: int, nbytes: int, *, huge_pages_asked: bool) -> Backin
                     start, stop = int(match.group(1), 16), int(match.group(2), 16)
                     inside = start < end and address < stop
                     found = found or inside
+                    wider = wider or (inside and (start < address or stop > end))
                     continue
                 if inside:
                     key, _, rest = line.partition(":")
@@ -310,6 +317,11 @@ def read_backing(address: int, nbytes: int, *, huge_pages_asked: bool) -> Backin
                         totals[key] += int(rest.split()[0])
     except OSError as error:
         log.debug("cannot read %s: %s", _SMAPS, error)
+    if wider:  # an area that holds more than the range: count the range's own pages
+        resident = _resident_kb(address, nbytes)
+        if resident is not None:
+            totals = {key: min(value, resident) for key, value in totals.items()}
+            totals["Rss"] = resident
     return BackingReport(
         mapped_kb=totals["Rss"],
         anon_huge_kb=totals["AnonHugePages"],
@@ -320,6 +332,32 @@ def read_backing(address: int, nbytes: int, *, huge_pages_asked: bool) -> Backin
         thp_shmem_enabled=thp_mode("shmem_enabled"),
         found=found,
     )
+
+
+def _resident_kb(address: int, nbytes: int) -> int | None:
+    """The kB of ``[address, address + nbytes)`` mapped in this process now, or None.
+
+    What smaps calls ``Rss``, for exactly this range: the pages ``/proc/self/pagemap``
+    marks present.
+    """
+    page = mmap.PAGESIZE
+    first = address // page
+    pages = -(-(address + nbytes) // page) - first
+    present = 0
+    try:
+        with _PAGEMAP.open("rb") as pagemap:
+            pagemap.seek(first * 8)
+            while pages > 0:
+                chunk = pagemap.read(8 * min(pages, _PAGEMAP_CHUNK))
+                if not chunk:
+                    return None
+                entries = np.frombuffer(chunk, dtype="<u8")
+                present += int(np.count_nonzero(entries >> np.uint64(63)))
+                pages -= len(entries)
+    except OSError as error:
+        log.debug("cannot read %s: %s", _PAGEMAP, error)
+        return None
+    return present * page // 1024
 
 
 def _libc_madvise(address: int, nbytes: int, advice: int) -> int:

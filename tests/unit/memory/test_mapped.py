@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import mmap
 import multiprocessing
 import os
 from pathlib import Path
@@ -37,6 +38,7 @@ from sglang_storage.memory import (
     Pinning,
     Registration,
     SharedHandle,
+    read_backing,
     thp_mode,
 )
 
@@ -246,6 +248,26 @@ def test_the_backing_report_is_what_the_kernel_gave_on_this_machine() -> None:
             assert reports["plain"].huge_kb == 0  # not advised: base pages
         if shmem in ("never", "deny"):
             assert reports["shared"].shmem_huge_kb == 0  # shmem gets none, asked or not
+
+
+def test_the_report_of_part_of_a_larger_area_counts_only_that_parts_pages() -> None:
+    """smaps gives one area's totals; a range inside a bigger (or merged) area is counted."""
+    area = mmap.mmap(-1, 4 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.madvise(mmap.MADV_NOHUGEPAGE)  # 4 KiB pages: touching one byte faults one page
+        view = np.frombuffer(area, dtype=np.uint8)
+        view[: 2 * MIB] = 1  # the first half resident, the second never touched
+        address = view.ctypes.data
+        whole = read_backing(address, 4 * MIB, huge_pages_asked=False)
+        part = read_backing(address + MIB, 2 * MIB, huge_pages_asked=False)
+        untouched = read_backing(address + 2 * MIB, 2 * MIB, huge_pages_asked=False)
+        assert whole.mapped_kb == 2048
+        assert part.mapped_kb == 1024, part.describe()  # smaps alone would say 2048
+        assert untouched.mapped_kb == 0
+        assert part.huge_kb <= part.mapped_kb
+        del view
+    finally:
+        area.close()
 
 
 def test_prefault_makes_every_page_resident_before_any_touch() -> None:
