@@ -128,6 +128,7 @@ class IOThreads:
         self._closed = False
         # How late pool parts started in recent batches (a median resists one slow wake-up).
         self._lags: collections.deque[float] = collections.deque(maxlen=_LAGS)
+        self._lag_s: float | None = None  # their median
         self._alone = 0  # batches run on the caller's thread alone since the pool last ran
         self._pace: dict[tuple[str, int], float] = {}  # seconds per byte, by work and size
 
@@ -220,9 +221,8 @@ class IOThreads:
         count, total = len(weights), sum(weights)
         parts = min(self._threads, count)
         ahead = 0.0
-        if pace is not None and pace > 0 and self._lags:
-            lag = statistics.median(self._lags)
-            ahead = _MARGIN * lag / pace  # the weight the caller does before a pool part starts
+        if pace is not None and pace > 0 and self._lag_s is not None:
+            ahead = _MARGIN * self._lag_s / pace  # what the caller does before a pool part starts
         share = (total - ahead) / parts  # each pool part's weight
         if share <= 0:
             return [0, count]
@@ -230,7 +230,7 @@ class IOThreads:
         for at, weight in enumerate(weights):
             if len(cuts) == parts:
                 break
-            if running + weight / 2 > goal and at > cuts[-1]:
+            if running + weight / 2 > goal and at > cuts[-1]:  # its middle is past the goal
                 cuts.append(at)
                 goal += share
             running += weight
@@ -245,6 +245,7 @@ class IOThreads:
             self._pace[key] = pace if before is None else before + _ALPHA * (pace - before)
         if lag is not None:
             self._lags.append(lag)
+            self._lag_s = statistics.median(self._lags)
 
     def close(self) -> None:
         """Stop the pool after the work in flight; later batches raise."""

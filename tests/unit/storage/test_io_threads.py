@@ -30,6 +30,7 @@ def threads() -> Iterator[IOThreads]:
 def _learned(pool: IOThreads, *, lag_s: float, pace: float, key: tuple[str, int]) -> None:
     pool._lags.clear()
     pool._lags.extend([lag_s] * 16)
+    pool._lag_s = lag_s
     pool._pace[key] = pace
 
 
@@ -76,6 +77,7 @@ def test_a_batch_the_pool_cannot_help_runs_on_the_callers_thread(threads: IOThre
     assert parts == [[1, 2], [3, 4]]
     assert len(set(seen)) == 2
     assert threads._lags[-1] < 1e-3, "the probe's delay joined the last 16"
+    assert threads._lag_s == 1e-3, "a median that one quick start does not move"
     assert threads._alone == 0
 
 
